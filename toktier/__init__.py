@@ -1,0 +1,43 @@
+"""TokTier: exact, stateful, incremental tokenization for agentic LLM serving.
+
+The public surface is small:
+
+>>> import toktier
+>>> tok = toktier.load_tokenizer("cl100k_base")
+>>> s = toktier.Session(tok, "Hello")
+>>> r = s.append(" world")
+>>> r.ids.tolist() == tok.encode("Hello world").tolist()
+True
+
+Every op's IDs equal the reference tokenizer's encoding of the whole current
+text; a repair that cannot be certified falls back to full tokenization.
+"""
+
+from .errors import (
+    InvalidEditRange,
+    InvalidText,
+    TokenizerDataMissing,
+    TokTierError,
+    UnknownTokenizer,
+    UnsupportedTokenizer,
+)
+from .registry import FrozenTokenizer, Registry, list_tokenizers, load_tokenizer
+from .session import OpResult, RepairPath, Session, SessionStats
+
+__all__ = [
+    "FrozenTokenizer",
+    "InvalidEditRange",
+    "InvalidText",
+    "OpResult",
+    "Registry",
+    "RepairPath",
+    "Session",
+    "SessionStats",
+    "TokTierError",
+    "TokenizerDataMissing",
+    "UnknownTokenizer",
+    "UnsupportedTokenizer",
+    "list_tokenizers",
+    "load_tokenizer",
+]
+__version__ = "0.1.0"

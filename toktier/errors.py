@@ -1,0 +1,34 @@
+"""The TokTier error hierarchy: one base class, mixed with builtins where natural.
+
+Local misuse (bad arguments) and missing data raise these; the sidecar maps each
+class to a typed error frame and the client re-raises the same class.
+"""
+
+from __future__ import annotations
+
+
+class TokTierError(Exception):
+    """Base class of every error TokTier raises on purpose."""
+
+
+class UnknownTokenizer(TokTierError, KeyError):
+    """A tokenizer name, path or hash that is not known.  The message lists what exists."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class TokenizerDataMissing(TokTierError, FileNotFoundError):
+    """A bundled tokenizer whose reference file is not installed (the message says how to get it)."""
+
+
+class UnsupportedTokenizer(TokTierError, ValueError):
+    """A tokenizer file TokTier cannot load at all (not a tokenizer.json / tiktoken rank file)."""
+
+
+class InvalidEditRange(TokTierError, ValueError):
+    """An edit whose [start, end) is outside the session text or reversed."""
+
+
+class InvalidText(TokTierError, ValueError):
+    """Text that is not a valid Unicode string (e.g. lone surrogates cannot be UTF-8 encoded)."""

@@ -1,0 +1,75 @@
+"""Added-token literals near a candidate splice point.
+
+The reference extracts added-token literals before pre-tokenization (HF: leftmost-
+longest over the raw text, then over the normalized text for `normalized=True`
+tokens; tiktoken: a leftmost-first alternation).  Which occurrence wins differs
+between engines, but TokTier never needs to know: a splice point q is only
+accepted when *no* occurrence of *any* literal spans it (starts before q and ends
+after q), in the old text and in the new one.  Then every selection the engine can
+make lies wholly left or wholly right of q, the selections right of q are those of
+a scan started at q, and q is a hard boundary.
+
+Occurrences are found with one compiled trie regex under a lookahead, so
+overlapping occurrences (a long literal whose pieces are literals too) are all
+seen.  The longest occurrence at a start position is enough: any shorter one at the
+same start spans a subset of the positions it spans.
+
+>>> idx = LiteralIndex(["<|im_start|>", "<|im", "|>"])
+>>> buf = b"ab<|im_start|>cd"
+>>> [i for i, c in enumerate(idx.crossed(buf)) if c][:3]
+[3, 4, 5]
+>>> bool(idx.crossed(buf)[2]), bool(idx.crossed(buf)[14])
+(False, False)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import numpy as np
+
+
+def _trie_regex(literals: list[bytes]) -> bytes:
+    """A regex matching the longest of `literals` at a position (greedy trie)."""
+    trie: dict = {}
+    for lit in literals:
+        node = trie
+        for b in lit:
+            node = node.setdefault(b, {})
+        node[None] = True
+
+    def emit(node: dict) -> bytes:
+        terminal = None in node
+        branches = [re.escape(bytes([b])) + emit(child) for b, child in sorted(
+            ((k, v) for k, v in node.items() if k is not None), key=lambda kv: kv[0])]
+        if not branches:
+            return b""
+        body = branches[0] if len(branches) == 1 else b"(?:" + b"|".join(branches) + b")"
+        # Greedy optional: a longer literal is tried before stopping at this one.
+        return b"(?:" + body + b")?" if terminal else body
+
+    return emit(trie)
+
+
+class LiteralIndex:
+    """Finds every position that some added-token literal occurrence spans."""
+
+    def __init__(self, literals: Iterable[str]) -> None:
+        encoded = sorted({lit.encode("utf-8") for lit in literals if lit})
+        self.max_len = max((len(b) for b in encoded), default=0)
+        self._re = re.compile(b"(?=(" + _trie_regex(encoded) + b"))", re.DOTALL) if encoded else None
+
+    def __bool__(self) -> bool:
+        return self._re is not None
+
+    def crossed(self, buf: bytes) -> np.ndarray:
+        """bool[len(buf)+1]: True at i when an occurrence [a, b) in `buf` has a < i < b."""
+        out = np.zeros(len(buf) + 2, dtype=np.int32)
+        if self._re is not None:
+            for m in self._re.finditer(buf):
+                a, b = m.start(1), m.end(1)
+                if b - a > 1:
+                    out[a + 1] += 1
+                    out[b] -= 1
+        return np.cumsum(out[: len(buf) + 1]) > 0

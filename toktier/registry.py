@@ -1,0 +1,196 @@
+"""Frozen tokenizers and the registry that holds many versions side by side.
+
+`load_tokenizer` turns a bundled name or a file into an immutable
+`FrozenTokenizer`: the reference engine, its content hash, its family (or the
+reason it has none), the probed class table, the literal index and per-token byte
+lengths.  A `Registry` keeps loaded tokenizers by name and by hash; an entry never
+changes after registration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from . import bundled
+from .charclass import probe_classes
+from .engines import HFEngine, Specials, TiktokenEngine
+from .errors import UnknownTokenizer, UnsupportedTokenizer
+from .families import Family, detect_family
+from .literals import LiteralIndex
+
+
+@dataclass(frozen=True, eq=False)
+class FrozenTokenizer:
+    """An immutable reference tokenizer plus everything repair needs to know about it.
+
+    >>> tok = load_tokenizer("cl100k_base")
+    >>> tok.family, tok.encode("hello world").tolist()
+    ('cl100k', [15339, 1917])
+    """
+
+    name: str
+    hash: str
+    specials: Specials
+    family_info: Family | None
+    family_reason: str | None
+    engine: HFEngine | TiktokenEngine = field(repr=False)
+    classes: np.ndarray | None = field(repr=False)  # uint8[0x110000], read-only
+    literals: LiteralIndex = field(repr=False)
+    token_len: np.ndarray = field(repr=False)  # uint32 byte length per id, read-only
+    max_token_bytes: int = 0
+
+    @property
+    def family(self) -> str | None:
+        """Family label ("cl100k", "o200k", "deepseek", "qwen+nfc", ...) or None."""
+        return self.family_info.label if self.family_info else None
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        return self.engine.token_bytes
+
+    def encode(self, text: str) -> np.ndarray:
+        """The reference full tokenization of `text` (uint32)."""
+        return self.engine.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return self.engine.encode_batch(texts)
+
+
+def list_tokenizers() -> list[str]:
+    """Bundled tokenizer names."""
+    return sorted(bundled.BUNDLED)
+
+
+def _content_hash(engine_name: str, version: str, file_bytes: bytes, pattern: str,
+                  specials: dict[str, int] | None, mode: Specials) -> str:
+    h = hashlib.sha256()
+    for part in (engine_name.encode(), version.encode(), hashlib.sha256(file_bytes).digest(),
+                 pattern.encode(), repr(sorted((specials or {}).items())).encode(), mode.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def load_tokenizer(name_or_path: str | Path, *, specials: Specials = "all", pat_str: str | None = None,
+                   special_tokens: dict[str, int] | None = None) -> FrozenTokenizer:
+    """Load a bundled name, a `tokenizer.json`, or a `.tiktoken` rank file (needs `pat_str`).
+
+    `specials="all"` recognizes added/special-token text as the tokens (what servers
+    do after rendering a chat template); `specials="none"` treats it as plain text
+    (HF `encode_special_tokens=True`, tiktoken `encode_ordinary`).
+    """
+    if specials not in ("all", "none"):
+        raise ValueError(f"specials must be 'all' or 'none', not {specials!r}")
+    key = str(name_or_path)
+    if key in bundled.BUNDLED:
+        spec = bundled.BUNDLED[key]
+        path = spec.path()
+        if spec.kind == "hf":
+            return _build_hf(spec.name, path, specials)
+        return _build_tiktoken(spec.name, path, spec.pat_str, spec.special_tokens, specials)
+    path = Path(key)
+    if not path.is_file():
+        raise UnknownTokenizer(
+            f"unknown tokenizer {key!r}: not a bundled name ({', '.join(list_tokenizers())}) nor a file"
+        )
+    if path.name.endswith(".json"):
+        return _build_hf(path.stem if path.name != "tokenizer.json" else path.parent.name, path, specials)
+    if path.name.endswith((".tiktoken", ".tiktoken.gz")):
+        if not pat_str:
+            raise UnsupportedTokenizer(f"{path}: a tiktoken rank file needs pat_str= (its pre-tokenizer regex)")
+        return _build_tiktoken(path.name.split(".")[0], path, pat_str, special_tokens or {}, specials)
+    raise UnsupportedTokenizer(f"{path}: expected a tokenizer.json or a .tiktoken rank file")
+
+
+def _finish(name: str, digest: str, specials: Specials, engine: HFEngine | TiktokenEngine) -> FrozenTokenizer:
+    facts = engine.facts
+    family, reason = detect_family(facts.normalizer, facts.split_patterns, facts.byte_level, facts.problems)
+    token_len = np.fromiter((len(b) for b in engine.token_bytes), dtype=np.uint32, count=len(engine.token_bytes))
+    token_len.setflags(write=False)
+    classes = probe_classes(engine, family.class_patterns(), digest) if family else None
+    return FrozenTokenizer(
+        name=name, hash=digest, specials=specials, family_info=family, family_reason=reason, engine=engine,
+        classes=classes, literals=LiteralIndex(lit.content for lit in engine.literals),
+        token_len=token_len, max_token_bytes=int(token_len.max()) if len(token_len) else 0,
+    )
+
+
+def _build_hf(name: str, path: Path, specials: Specials) -> FrozenTokenizer:
+    raw = path.read_bytes()
+    try:
+        engine = HFEngine(str(path), specials)
+    except Exception as exc:  # the engine's own parse error, re-typed
+        raise UnsupportedTokenizer(f"{path}: not a loadable tokenizer.json ({exc})") from exc
+    digest = _content_hash(engine.engine_name, engine.version, raw, "", None, specials)
+    return _finish(name, digest, specials, engine)
+
+
+def _build_tiktoken(name: str, path: Path, pat_str: str, special_tokens: dict[str, int],
+                    specials: Specials) -> FrozenTokenizer:
+    raw = path.read_bytes()
+    try:
+        ranks = bundled.load_rank_file(path)
+    except ValueError as exc:
+        raise UnsupportedTokenizer(f"{path}: not a tiktoken rank file ({exc})") from exc
+    engine = TiktokenEngine(name, pat_str, ranks, special_tokens, specials)
+    digest = _content_hash(engine.engine_name, engine.version, raw, pat_str, special_tokens, specials)
+    return _finish(name, digest, specials, engine)
+
+
+class Registry:
+    """Loaded tokenizers by name and by hash; entries are immutable once registered.
+
+    Thread-safe.  Loading the same name twice returns the registered entry; a
+    different file under an already registered name is refused (register it under
+    another name — versions live side by side, addressed by hash).
+    """
+
+    def __init__(self) -> None:
+        self._by_hash: dict[str, FrozenTokenizer] = {}
+        self._by_name: dict[tuple[str, Specials], str] = {}
+        self._lock = threading.Lock()
+
+    def load(self, name_or_path: str | Path, *, specials: Specials = "all", **kwargs: object) -> FrozenTokenizer:
+        with self._lock:
+            digest = self._by_name.get((str(name_or_path), specials))
+            if digest is not None:
+                return self._by_hash[digest]
+        tok = load_tokenizer(name_or_path, specials=specials, **kwargs)  # type: ignore[arg-type]
+        return self.register(tok, alias=str(name_or_path))
+
+    def register(self, tok: FrozenTokenizer, alias: str | None = None) -> FrozenTokenizer:
+        with self._lock:
+            existing = self._by_hash.setdefault(tok.hash, tok)
+            for name in {tok.name, alias} - {None}:
+                bound = self._by_name.setdefault((name, tok.specials), tok.hash)  # type: ignore[arg-type]
+                if bound != tok.hash and name == alias:
+                    raise ValueError(f"name {name!r} is already bound to tokenizer {bound[:12]}")
+            return existing
+
+    def get(self, name_or_hash: str, specials: Specials = "all") -> FrozenTokenizer:
+        with self._lock:
+            if name_or_hash in self._by_hash:
+                return self._by_hash[name_or_hash]
+            digest = self._by_name.get((name_or_hash, specials))
+            if digest is not None:
+                return self._by_hash[digest]
+            known = sorted({n for n, _ in self._by_name})
+        raise UnknownTokenizer(f"tokenizer {name_or_hash!r} is not registered; registered: {', '.join(known) or 'none'}")
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted({n for n, _ in self._by_name})
+
+    def __iter__(self):
+        with self._lock:
+            return iter(list(self._by_hash.values()))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_hash)

@@ -1,0 +1,432 @@
+"""Per-session token state and its exact incremental repair.
+
+State (small, per session, apart from the shared immutable tokenizer):
+
+    text    bytearray, UTF-8                      grows in place
+    ids     uint32[n]                             GrowableU32
+    starts  uint32[n]  byte offset of each token  GrowableU32 (prefix sum of token byte lengths)
+
+8 bytes per token plus the text.  Every op returns exactly
+``tokenizer.encode(new_text)``:
+
+Repair of an edit T -> T' = T[:s] + X + T[e:] (an append is s = e = len(T)):
+
+1. Re-tokenize a window W = T'[p:r] around the change (p = s - w_left,
+   r = end of X + w_right, snapped to character boundaries; w = 512 bytes).
+2. Left of the change, align W's tokens with the cached ones by (start, id) and
+   take agreeing runs, longest first.  Accept a run when it has >= 2 tokens,
+   covers more bytes than the longest token, and holds a *stable boundary* q1
+   (a family predicate on text[q1-1], text[q1], see families.py) that no
+   added-token literal spans in T or T'.  Right of the change likewise (cached
+   offsets shifted by len(X) - (e - s)), giving q2.  At a side that reaches the
+   text's end no boundary is needed.
+3. Splice: ids = cached[:k1] + fresh[q1:q2] + cached[k2:]; the fresh tokens'
+   bytes must tile T'[q1:q2] exactly (this also certifies that an NFC normalizer
+   left the span unchanged).
+4. Otherwise double the failing side's window (at most 5 times), then
+   re-tokenize the whole text (the full path: slower, never wrong).
+
+Unsupported families (`tokenizer.family is None`) always take the full path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .buffers import Allocator, GrowableU32
+from .errors import InvalidEditRange, InvalidText
+from .registry import FrozenTokenizer
+
+MAX_WIDENINGS = 5
+
+
+class RepairPath(str, enum.Enum):
+    """How an op's result was produced."""
+
+    NOOP = "noop"  # the text did not change
+    FIRST_WINDOW = "first_window"  # spliced with the initial window
+    WIDENED = "widened"  # spliced after widening the window `widenings` times
+    FULL = "full"  # whole text re-tokenized (see `OpResult.reason`)
+
+
+@dataclass(frozen=True, slots=True)
+class OpResult:
+    """Outcome of one session op.  `ids` is a view valid until the next op."""
+
+    ids: np.ndarray
+    first_changed: int  # first token index that differs from the previous state
+    path: RepairPath
+    widenings: int = 0
+    reason: str | None = None  # why the full path was taken
+
+
+@dataclass(slots=True)
+class SessionStats:
+    """Per-session outcome counters."""
+
+    ops: int = 0
+    noop: int = 0
+    first_window: int = 0
+    widened: int = 0
+    full: int = 0
+    widenings: int = 0
+    tokens_retokenized: int = 0  # tokens produced by window or full encodes
+    full_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def _to_utf8(text: str) -> bytes:
+    if not isinstance(text, str):
+        raise InvalidText(f"text must be str, not {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidText(f"text is not valid Unicode at index {exc.start} ({exc.reason})") from None
+
+
+def _exclusive_cumsum(lengths: np.ndarray, base: int) -> np.ndarray:
+    out = np.empty(len(lengths), dtype=np.int64)
+    if len(lengths):
+        out[0] = 0
+        np.cumsum(lengths[:-1], out=out[1:])
+    return out + base
+
+
+@dataclass(slots=True)
+class _Side:
+    ok: bool
+    cached_idx: int = 0  # k: cached token index at the boundary
+    fresh_idx: int = 0  # j: fresh token index at the boundary
+    pos: int = 0  # boundary byte position (new-text coordinates)
+
+
+class Session:
+    """A growing/edited text and its token IDs, always equal to the reference encoding.
+
+    >>> from toktier import load_tokenizer
+    >>> s = Session(load_tokenizer("cl100k_base"), "def pipe")
+    >>> r = s.append("line(x):")
+    >>> (s.text, r.ids.tolist() == s.tokenizer.encode(s.text).tolist(), r.first_changed)
+    ('def pipeline(x):', True, 1)
+    """
+
+    def __init__(self, tokenizer: FrozenTokenizer, text: str = "", *, window: int = 512,
+                 allocator: Allocator | None = None) -> None:
+        if window < 16:
+            raise ValueError(f"window must be at least 16 bytes, not {window}")
+        self.tokenizer = tokenizer
+        self.window = int(window)
+        self.stats = SessionStats()
+        self._text = bytearray()
+        self._nchars = 0
+        self._ascii = True
+        self._ids = GrowableU32(allocator)
+        self._starts = GrowableU32()
+        # Splices need a proven family and token bytes that tile the text.
+        self._spliceable = tokenizer.family_info is not None
+        self._why_not = tokenizer.family_reason
+        self._tiles = True  # token bytes tile the text (empty text trivially)
+        if text:
+            self._full(_to_utf8(text), len(text), reason="initial text")
+
+    # -- read access --------------------------------------------------------
+    @property
+    def text(self) -> str:
+        return self._text.decode("utf-8")
+
+    @property
+    def ids(self) -> np.ndarray:
+        """All token IDs (uint32 view, valid until the next op)."""
+        return self._ids.view()
+
+    @property
+    def ids_buffer(self) -> np.ndarray:
+        """The whole backing array of `ids` (its identity changes when it grows)."""
+        return self._ids.buffer
+
+    @property
+    def num_tokens(self) -> int:
+        return self._ids.n
+
+    @property
+    def num_chars(self) -> int:
+        return self._nchars
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self._text)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: text plus token arrays (capacity)."""
+        return len(self._text) + self._ids.nbytes + self._starts.nbytes
+
+    # -- ops ------------------------------------------------------------------
+    def append(self, text: str) -> OpResult:
+        data = _to_utf8(text)
+        end = len(self._text)
+        return self._apply(end, end, data, len(text))
+
+    def edit(self, start: int, end: int, text: str) -> OpResult:
+        """Replace characters [start, end) of the current text by `text`."""
+        if not (isinstance(start, int) and isinstance(end, int)) or not 0 <= start <= end <= self._nchars:
+            raise InvalidEditRange(
+                f"edit range [{start}, {end}) is outside the text (0 <= start <= end <= {self._nchars})"
+            )
+        data = _to_utf8(text)
+        s, e = self._char_to_byte(start, end)
+        return self._apply(s, e, data, len(text) - (end - start))
+
+    def sync(self, full_text: str) -> OpResult:
+        """Make the session text equal `full_text`; the differing middle becomes an edit."""
+        new = _to_utf8(full_text)
+        old = self._text
+        n_old, n_new = len(old), len(new)
+        if n_new >= n_old and new.startswith(old):  # the common agent case: an append
+            return self._apply(n_old, n_old, new[n_old:], len(full_text) - self._nchars)
+        m = min(n_old, n_new)
+        a = np.frombuffer(old, dtype=np.uint8, count=m)
+        b = np.frombuffer(new, dtype=np.uint8, count=m)
+        diff = np.flatnonzero(a != b)
+        prefix = int(diff[0]) if len(diff) else m
+        limit = m - prefix
+        a_rev = np.frombuffer(old, dtype=np.uint8)[n_old - limit:][::-1]
+        b_rev = np.frombuffer(new, dtype=np.uint8)[n_new - limit:][::-1]
+        rdiff = np.flatnonzero(a_rev != b_rev)
+        suffix = int(rdiff[0]) if len(rdiff) else limit
+        del a, b, a_rev, b_rev  # release views of the bytearray before it is resized
+        while 0 < prefix < n_old and (old[prefix] & 0xC0) == 0x80:
+            prefix -= 1
+        while suffix > 0 and (old[n_old - suffix] & 0xC0) == 0x80:
+            suffix -= 1
+        s, e = prefix, n_old - suffix
+        middle = new[prefix : n_new - suffix]
+        return self._apply(s, e, middle, len(full_text) - self._nchars)
+
+    # -- internals ------------------------------------------------------------
+    def _char_to_byte(self, start: int, end: int) -> tuple[int, int]:
+        if self._ascii:
+            return start, end
+        arr = np.frombuffer(self._text, dtype=np.uint8)
+        char_starts = np.flatnonzero((arr & 0xC0) != 0x80)
+        del arr
+        n = len(self._text)
+        s = int(char_starts[start]) if start < len(char_starts) else n
+        e = int(char_starts[end]) if end < len(char_starts) else n
+        return s, e
+
+    def _apply(self, s: int, e: int, data: bytes, dchars: int) -> OpResult:
+        self.stats.ops += 1
+        if s == e and not data:
+            self.stats.noop += 1
+            return OpResult(self._ids.view(), self._ids.n, RepairPath.NOOP)
+        if self._spliceable:
+            result = self._repair(s, e, data, dchars)
+            if result is not None:
+                return result
+            reason = f"no certified splice after {MAX_WIDENINGS} widenings"
+        else:
+            reason = f"tokenizer not spliceable: {self._why_not}"
+        new_text = bytes(self._text[:s]) + data + bytes(self._text[e:])
+        return self._full(new_text, self._nchars + dchars, reason)
+
+    def _full(self, new_text: bytes, nchars: int, reason: str) -> OpResult:
+        tok = self.tokenizer
+        ids = tok.encode(new_text.decode("utf-8"))
+        old = self._ids.view()
+        m = min(len(old), len(ids))
+        diff = np.flatnonzero(old[:m] != ids[:m])
+        first_changed = int(diff[0]) if len(diff) else (m if len(old) != len(ids) else len(ids))
+        del old
+        if self._spliceable:
+            lens = tok.token_len[ids]
+            if int(lens.sum(dtype=np.int64)) != len(new_text) or (
+                tok.family_info.nfc and b"".join(map(tok.token_bytes.__getitem__, ids.tolist())) != new_text
+            ):
+                # Token bytes do not tile the text (e.g. NFC changed it): no splices for this text.
+                self._starts.assign(np.zeros(0, dtype=np.uint32))
+                self._tiles = False
+            else:
+                self._starts.assign(_exclusive_cumsum(lens, 0).astype(np.uint32))
+                self._tiles = True
+        self._ids.assign(ids)
+        self._text[:] = new_text
+        self._nchars = nchars
+        self._ascii = new_text.isascii()
+        self.stats.full += 1
+        self.stats.tokens_retokenized += len(ids)
+        self.stats.full_reasons[reason] = self.stats.full_reasons.get(reason, 0) + 1
+        return OpResult(self._ids.view(), first_changed, RepairPath.FULL, 0, reason)
+
+    def _repair(self, s: int, e: int, data: bytes, dchars: int) -> OpResult | None:
+        if not self._tiles:
+            return None
+        tok = self.tokenizer
+        T = self._text
+        n_old = len(T)
+        lx = len(data)
+        delta = lx - (e - s)
+        wl = wr = self.window
+        for widenings in range(MAX_WIDENINGS + 1):
+            p = max(0, s - wl)
+            while p > 0 and (T[p] & 0xC0) == 0x80:
+                p -= 1
+            r = min(n_old, e + wr)
+            while r < n_old and (T[r] & 0xC0) == 0x80:
+                r += 1
+            window = bytes(T[p:s]) + data + bytes(T[e:r])
+            try:
+                wtext = window.decode("utf-8")
+            except UnicodeDecodeError as exc:  # only reachable through a broken caller offset
+                raise InvalidText(f"edit splits a UTF-8 sequence ({exc.reason})") from None
+            fresh = tok.encode(wtext)
+            self.stats.tokens_retokenized += len(fresh)
+            fstarts = _exclusive_cumsum(tok.token_len[fresh], p)
+            ctx = _Context(tok, T, s, e, data, p, r, wtext, window)
+            left = _Side(True, 0, 0, 0) if p == 0 else self._find_left(ctx, fresh, fstarts)
+            right = (_Side(True, self._ids.n, len(fresh), n_old + delta) if r == n_old
+                     else self._find_right(ctx, fresh, fstarts, delta))
+            if left.ok and right.ok and left.fresh_idx <= right.fresh_idx:
+                mid = fresh[left.fresh_idx : right.fresh_idx]
+                span = window[left.pos - p : right.pos - p]
+                if b"".join(map(tok.token_bytes.__getitem__, mid.tolist())) == span:
+                    return self._commit(s, e, data, dchars, left, right, mid,
+                                        fstarts[left.fresh_idx : right.fresh_idx], delta, widenings)
+                return None  # should be unreachable: a certified span must tile
+            if not left.ok:
+                wl *= 2
+            if not right.ok:
+                wr *= 2
+        return None
+
+    def _runs(self, c_starts: np.ndarray, c_ids: np.ndarray, f_starts: np.ndarray,
+              f_ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """Agreeing runs as (cached_lo, fresh_lo, length), longest first."""
+        _, ci, fi = np.intersect1d(c_starts, f_starts, assume_unique=True, return_indices=True)
+        agree = c_ids[ci] == f_ids[fi]
+        ci, fi = ci[agree], fi[agree]
+        if not len(ci):
+            return []
+        breaks = np.flatnonzero((np.diff(ci) != 1) | (np.diff(fi) != 1)) + 1
+        bounds = np.concatenate(([0], breaks, [len(ci)]))
+        runs = [(int(ci[a]), int(fi[a]), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
+        runs.sort(key=lambda t: (-t[2], -t[0]))
+        return runs
+
+    def _find_left(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray) -> _Side:
+        starts = self._starts.view()
+        ids = self._ids.view()
+        k_lo = int(np.searchsorted(starts, ctx.p, "left"))
+        k_hi = int(np.searchsorted(starts, ctx.s, "left"))
+        j_hi = int(np.searchsorted(fstarts, ctx.s, "left"))
+        c_starts = starts[k_lo:k_hi].astype(np.int64)
+        c_ids = ids[k_lo:k_hi]
+        for c0, f0, length in self._runs(c_starts, c_ids, fstarts[:j_hi], fresh[:j_hi]):
+            if not self._run_ok(c_starts, c_ids, c0, length):
+                continue
+            cand = c_starts[c0 + 1 : c0 + length]  # token starts with an agreeing token before
+            cand = cand[(cand > ctx.p) & (cand < ctx.s)]
+            good = ctx.stable_positions(cand, old_too=True)
+            if len(good):
+                q = int(good[-1])
+                off = int(np.searchsorted(c_starts, q))
+                return _Side(True, k_lo + off, f0 + (off - c0), q)
+        return _Side(False)
+
+    def _find_right(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray, delta: int) -> _Side:
+        starts = self._starts.view()
+        ids = self._ids.view()
+        k_lo = int(np.searchsorted(starts, ctx.e, "left"))
+        k_hi = int(np.searchsorted(starts, ctx.r, "left"))
+        new_mid_end = ctx.s + len(ctx.data)
+        j_lo = int(np.searchsorted(fstarts, new_mid_end, "left"))
+        c_starts = starts[k_lo:k_hi].astype(np.int64) + delta  # in new coordinates
+        c_ids = ids[k_lo:k_hi]
+        for c0, f0, length in self._runs(c_starts, c_ids, fstarts[j_lo:], fresh[j_lo:]):
+            if not self._run_ok(c_starts, c_ids, c0, length):
+                continue
+            cand = c_starts[c0 + 1 : c0 + length]
+            cand = cand[cand > new_mid_end]
+            good = ctx.stable_positions(cand, old_too=True, delta=delta)
+            if len(good):
+                q = int(good[0])
+                off = int(np.searchsorted(c_starts, q))
+                return _Side(True, k_lo + off, j_lo + f0 + (off - c0), q)
+        return _Side(False)
+
+    def _run_ok(self, c_starts: np.ndarray, c_ids: np.ndarray, c0: int, length: int) -> bool:
+        """DESIGN conditions (1) and (2): >= 2 tokens, covering more than the longest token."""
+        if length < 2:
+            return False
+        last = c0 + length - 1
+        end = int(c_starts[last]) + int(self.tokenizer.token_len[c_ids[last]])
+        return end - int(c_starts[c0]) > self.tokenizer.max_token_bytes
+
+    def _commit(self, s: int, e: int, data: bytes, dchars: int, left: _Side, right: _Side,
+                mid: np.ndarray, mid_starts: np.ndarray, delta: int, widenings: int) -> OpResult:
+        k1, k2 = left.cached_idx, right.cached_idx
+        old_seg = self._ids.view()[k1:k2]
+        m = min(len(old_seg), len(mid))
+        diff = np.flatnonzero(old_seg[:m] != mid[:m])
+        if len(diff):
+            first_changed = k1 + int(diff[0])
+        elif len(old_seg) != len(mid):
+            first_changed = k1 + m
+        else:
+            first_changed = self._ids.n - (k2 - k1) + len(mid)  # token list unchanged
+        del old_seg
+        self._ids.replace(k1, k2, mid)
+        self._starts.replace(k1, k2, mid_starts.astype(np.uint32), tail_add=delta)
+        if s == e == len(self._text):
+            self._text += data
+        else:
+            self._text[s:e] = data
+        self._nchars += dchars
+        self._ascii = self._ascii and data.isascii()  # conservative after deletions
+        path = RepairPath.FIRST_WINDOW if widenings == 0 else RepairPath.WIDENED
+        if widenings:
+            self.stats.widened += 1
+            self.stats.widenings += widenings
+        else:
+            self.stats.first_window += 1
+        return OpResult(self._ids.view(), first_changed, path, widenings)
+
+
+class _Context:
+    """One repair attempt's local text: candidate-boundary checks in old and new text."""
+
+    def __init__(self, tok: FrozenTokenizer, T: bytearray, s: int, e: int, data: bytes, p: int, r: int,
+                 wtext: str, window: bytes) -> None:
+        self.tok, self.s, self.e, self.data, self.p, self.r = tok, s, e, data, p, r
+        cps = np.frombuffer(wtext.encode("utf-32-le"), dtype="<u4")
+        clen = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
+        self.cps = cps
+        self.char_starts = _exclusive_cumsum(clen, p)  # new-text byte position of each window char
+        lit = tok.literals
+        if lit:
+            reach = lit.max_len
+            lo = max(0, p - reach)
+            hi_old = min(len(T), r + reach)
+            self.lo = lo
+            self.crossed_new = lit.crossed(bytes(T[lo:s]) + data + bytes(T[e:hi_old]))
+            self.crossed_old = lit.crossed(bytes(T[lo:hi_old]))
+        self.delta = len(data) - (e - s)
+
+    def stable_positions(self, cand: np.ndarray, old_too: bool, delta: int = 0) -> np.ndarray:
+        """The candidates (new-text byte positions, sorted) that are certified boundaries."""
+        if not len(cand):
+            return cand
+        ci = np.searchsorted(self.char_starts, cand)
+        ok = (ci > 0) & (ci < len(self.char_starts))
+        ci_c = np.clip(ci, 1, len(self.char_starts) - 1)
+        ok &= self.char_starts[ci_c] == cand
+        fam = self.tok.family_info
+        ok &= fam.stable(self.tok.classes, self.cps[ci_c - 1], self.cps[ci_c])
+        if self.tok.literals:
+            ok &= ~self.crossed_new[cand - self.lo]
+            # Old-text position: left of the edit it is unchanged, right of it shifted back.
+            old_pos = np.where(cand < self.s, cand, cand - self.delta)
+            ok &= ~self.crossed_old[old_pos - self.lo]
+        return cand[ok]
