@@ -367,18 +367,10 @@ class Session:
     def _commit(self, s: int, e: int, data: bytes, dchars: int, left: _Side, right: _Side,
                 mid: np.ndarray, mid_starts: np.ndarray, delta: int, widenings: int) -> OpResult:
         k1, k2 = left.cached_idx, right.cached_idx
-        old_seg = self._ids.view()[k1:k2]
-        m = min(len(old_seg), len(mid))
-        diff = np.flatnonzero(old_seg[:m] != mid[:m])
-        if len(diff):
-            first_changed = k1 + int(diff[0])
-        elif len(old_seg) != len(mid):
-            first_changed = k1 + m
-        else:
-            first_changed = self._ids.n - (k2 - k1) + len(mid)  # token list unchanged
-        del old_seg
+        old_seg = self._ids.view()[k1:k2].copy()
         self._ids.replace(k1, k2, mid)
         self._starts.replace(k1, k2, mid_starts.astype(np.uint32), tail_add=delta)
+        first_changed = _first_difference(self._ids.view(), k1, old_seg, len(mid))
         if s == e == len(self._text):
             self._text += data
         else:
@@ -392,6 +384,32 @@ class Session:
         else:
             self.stats.first_window += 1
         return OpResult(self._ids.view(), first_changed, path, widenings)
+
+
+def _first_difference(new: np.ndarray, k1: int, old_seg: np.ndarray, mid_len: int) -> int:
+    """First index where `new` differs from the old ids, old[k1:] = old_seg ++ new[k1 + mid_len:].
+
+    Compares in doubling chunks, so the work is proportional to the answer's
+    distance from k1 (repeated text can push it past the replaced segment).
+    Returns len(new) when nothing changed.
+    """
+    tail0 = k1 + mid_len
+    n_old = k1 + len(old_seg) + (len(new) - tail0)
+    i, chunk = 0, 64
+    while True:
+        hi = i + chunk
+        a = new[k1 + i : k1 + hi]
+        head = old_seg[i:hi]
+        rest = max(0, hi - max(i, len(old_seg)))
+        t_lo = tail0 + max(0, i - len(old_seg))
+        b = np.concatenate((head, new[t_lo : t_lo + rest])) if rest else head
+        m = min(len(a), len(b))
+        d = np.flatnonzero(a[:m] != b[:m])
+        if len(d):
+            return k1 + i + int(d[0])
+        if len(a) < chunk or len(b) < chunk:
+            return k1 + i + m if len(new) != n_old else len(new)
+        i, chunk = hi, chunk * 2
 
 
 class _Context:

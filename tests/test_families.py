@@ -1,0 +1,166 @@
+"""Stable boundaries against the reference, at the pre-tokenizer piece level and the ID level.
+
+For every position the family predicate certifies, on real multilingual text and
+on adversarial text:
+
+* pieces: the reference pre-tokenizer puts a piece boundary there, the pieces
+  right of it are the pieces of the suffix alone, and the pieces left of it are
+  those of text[:q+1] (HF engines expose their pre-tokenizer; tiktoken does not,
+  so tiktoken families are checked at the ID level, which implies the pieces'
+  BPE results agree);
+* ids: the reference IDs have a token starting at q, the IDs after it are the
+  suffix's own IDs, and the IDs before it do not depend on text past q+1
+  (standalone positions: on nothing past q at all).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from adversarial import adversarial_text
+from conftest import ALL_TOKENIZERS, HF_TOKENIZERS, get_tokenizer
+from toktier.boundaries import char_byte_offsets, stable_char_positions
+from toktier.corpus import samples
+
+SUFFIX = "Zq 9\n"  # arbitrary continuation for the left-side independence check
+
+
+def _piece_starts(tok, text: str) -> list[tuple[str, tuple[int, int]]]:
+    return tok.engine.pre_tokenize(text)
+
+
+def check_pieces(tok, text: str, positions, tally) -> None:
+    pieces = _piece_starts(tok, text)
+    starts = {a for _, (a, _b) in pieces}
+    for q in positions:
+        q = int(q)
+        assert q in starts, f"no piece boundary at {q}: {text[max(0, q - 8):q]!r}|{text[q:q + 8]!r}"
+        right = [(p, (a - q, b - q)) for p, (a, b) in pieces if a >= q]
+        assert _piece_starts(tok, text[q:]) == right, f"suffix pieces differ at {q}"
+        left = [pc for pc in pieces if pc[1][1] <= q]
+        assert [pc for pc in _piece_starts(tok, text[: q + 1]) if pc[1][1] <= q] == left
+    tally(tok, "pieces", len(positions))
+
+
+def check_ids(tok, text: str, positions, tally, standalone: bool) -> None:
+    ids = tok.encode(text)
+    _, offs = char_byte_offsets(text)
+    tok_starts = np.concatenate(([0], np.cumsum(tok.token_len[ids], dtype=np.int64)))[:-1]
+    for q in positions:
+        q = int(q)
+        k = int(np.searchsorted(tok_starts, offs[q]))
+        assert k < len(ids) and tok_starts[k] == offs[q], f"no token starts at char {q}"
+        assert np.array_equal(ids[k:], tok.encode(text[q:])), f"suffix ids differ at {q}"
+        left_text = text[:q] if standalone else text[: q + 1] + SUFFIX
+        left = tok.encode(left_text)
+        assert np.array_equal(left[:k], ids[:k]), f"prefix ids depend on text past {q}"
+        if standalone:
+            assert len(left) == k
+    tally(tok, "ids", len(positions))
+
+
+def _supported(name: str):
+    tok = get_tokenizer(name)
+    if tok.family is None:
+        pytest.skip(f"{name}: no family ({tok.family_reason})")
+    return tok
+
+
+def _real_texts(n_chars: int = 3000):
+    out = []
+    for s in samples(max_chars_per_sample=20_000):
+        out.append((s.name, s.text[:n_chars]))
+    return out
+
+
+@pytest.mark.parametrize("name", HF_TOKENIZERS)
+def test_pieces_real_text(name, tally):
+    tok = _supported(name)
+    rng = random.Random(0)
+    for sample_name, text in _real_texts():
+        text = tok.engine.normalize(text)  # piece offsets refer to normalized text
+        pos = stable_char_positions(tok, text)
+        pos = sorted(rng.sample(list(pos), min(25, len(pos))))
+        check_pieces(tok, text, pos, tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@pytest.mark.parametrize("standalone", [False, True])
+def test_ids_real_text(name, standalone, tally):
+    tok = _supported(name)
+    rng = random.Random(1)
+    for sample_name, text in _real_texts(1500):
+        if tok.family_info.nfc:
+            text = tok.engine.normalize(text)
+        pos = stable_char_positions(tok, text, standalone=standalone)
+        pos = sorted(rng.sample(list(pos), min(12, len(pos))))
+        check_ids(tok, text, pos, tally, standalone)
+
+
+@pytest.mark.parametrize("name", HF_TOKENIZERS)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=adversarial_text)
+def test_pieces_adversarial(name, text, tally):
+    tok = _supported(name)
+    text = tok.engine.normalize(text)
+    check_pieces(tok, text, stable_char_positions(tok, text), tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=adversarial_text)
+def test_ids_adversarial(name, text, tally):
+    tok = _supported(name)
+    if tok.family_info.nfc:
+        text = tok.engine.normalize(text)
+    check_ids(tok, text, stable_char_positions(tok, text), tally, standalone=False)
+    check_ids(tok, text, stable_char_positions(tok, text, standalone=True), tally, standalone=True)
+
+
+def test_known_unstable_pairs_are_rejected():
+    """Pairs the derivation says are crossable must never be certified."""
+    cl, o2 = _supported("cl100k_base"), _supported("o200k_base")
+    ds = _supported("deepseek_v4")
+    # punctuation -> letter (absorbed prefix), space -> letter, digit -> digit, \r -> \n
+    for text in [",a", " a", "12", "\r\n", "  ", "a\u0301"]:
+        assert 1 not in stable_char_positions(cl, text), text
+    # o200k: letter -> apostrophe (contraction suffix), lower -> mark
+    assert 1 not in stable_char_positions(o2, "s'")
+    assert 1 not in stable_char_positions(o2, "a\u0301")
+    # DeepSeek: kana -> in-class punctuation is one stage-2 piece
+    assert 1 not in stable_char_positions(ds, "ア・")
+    # but the classic stable ones are certified
+    assert 1 in stable_char_positions(cl, "a ") and 1 in stable_char_positions(cl, "a1")
+    assert 1 in stable_char_positions(cl, "a,") and 1 in stable_char_positions(o2, "a,")
+
+
+def test_literal_spanning_positions_are_rejected():
+    tok = _supported("cl100k_base")
+    text = "x <|endoftext|> y"
+    inside = range(text.index("<|") + 1, text.index("|>") + 2)
+    pos = set(stable_char_positions(tok, text).tolist())
+    assert not pos & set(inside)
+
+
+@pytest.mark.parametrize("widened", ["punct->letter", "space->letter", "letter->apostrophe", "any"])
+def test_suite_catches_a_widened_predicate(monkeypatch, widened, tally):
+    """Mutation check: a predicate certifying one crossable pair too many must be caught."""
+    from toktier import families
+
+    tok = _supported("o200k_base")
+    original = families.Family.stable
+    extra = {
+        "punct->letter": lambda c, x, y: ((c[x] & (families.L | families.N | families.W)) == 0) & ((c[y] & families.L) != 0),
+        "space->letter": lambda c, x, y: ((c[x] & families.W) != 0) & ((c[y] & families.L) != 0),
+        "letter->apostrophe": lambda c, x, y: ((c[x] & families.L) != 0) & (y == 0x27),
+        "any": lambda c, x, y: np.ones(len(x), bool),
+    }[widened]
+    monkeypatch.setattr(families.Family, "stable", lambda self, c, x, y: original(self, c, x, y) | extra(c, x, y))
+    texts = ["Hello, world. (see) it's: x='a'", "we'll go  now and\tthen 'quoted' \"words\""]
+    with pytest.raises(AssertionError):
+        for text in texts:
+            check_ids(tok, text, stable_char_positions(tok, text), tally, standalone=False)
