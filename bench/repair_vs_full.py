@@ -50,7 +50,9 @@ def run_one(name: str, size: int, n_appends: int, n_full: int, seed: int, kind: 
     tok = load_tokenizer(name)
     rng = random.Random(seed)
     sizes = append_sizes(rng, n_appends)
-    text = large_text(size + sum(sizes), seed=seed, kind=kind)
+    # The appended material is the same at every context size, so the sizes differ
+    # only in how much context precedes the appends (a fair flatness comparison).
+    text = large_text(size, seed=seed, kind=kind) + large_text(sum(sizes), seed=seed + 1, kind=kind)
     if tok.family_info is not None and tok.family_info.nfc:
         text = tok.engine.normalize(text)
     session = Session(tok, text[:size])

@@ -26,7 +26,9 @@ Repair of an edit T -> T' = T[:s] + X + T[e:] (an append is s = e = len(T)):
 4. Otherwise double the failing side's window (at most 5 times), then
    re-tokenize the whole text (the full path: slower, never wrong).
 
-Unsupported families (`tokenizer.family is None`) always take the full path.
+Unsupported families (`tokenizer.family is None`) always take the full path, which
+for large texts encodes chunks cut at standalone-stable boundaries in parallel
+(`fullpath.py`).  A session is not thread-safe: the caller orders ops on it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidText
+from .fullpath import encode_full
 from .registry import FrozenTokenizer
 
 MAX_WIDENINGS = 5
@@ -234,7 +237,7 @@ class Session:
 
     def _full(self, new_text: bytes, nchars: int, reason: str) -> OpResult:
         tok = self.tokenizer
-        ids = tok.encode(new_text.decode("utf-8"))
+        ids = encode_full(tok, new_text.decode("utf-8"))  # parallel chunks when large
         old = self._ids.view()
         m = min(len(old), len(ids))
         diff = np.flatnonzero(old[:m] != ids[:m])
@@ -318,8 +321,9 @@ class Session:
     def _find_left(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray) -> _Side:
         starts = self._starts.view()
         ids = self._ids.view()
-        k_lo = int(np.searchsorted(starts, ctx.p, "left"))
-        k_hi = int(np.searchsorted(starts, ctx.s, "left"))
+        # uint32 needles: a Python int would promote (copy) the whole array to int64
+        k_lo = int(starts.searchsorted(np.uint32(ctx.p), "left"))
+        k_hi = int(starts.searchsorted(np.uint32(ctx.s), "left"))
         j_hi = int(np.searchsorted(fstarts, ctx.s, "left"))
         c_starts = starts[k_lo:k_hi].astype(np.int64)
         c_ids = ids[k_lo:k_hi]
@@ -338,8 +342,8 @@ class Session:
     def _find_right(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray, delta: int) -> _Side:
         starts = self._starts.view()
         ids = self._ids.view()
-        k_lo = int(np.searchsorted(starts, ctx.e, "left"))
-        k_hi = int(np.searchsorted(starts, ctx.r, "left"))
+        k_lo = int(starts.searchsorted(np.uint32(ctx.e), "left"))
+        k_hi = int(starts.searchsorted(np.uint32(ctx.r), "left"))
         new_mid_end = ctx.s + len(ctx.data)
         j_lo = int(np.searchsorted(fstarts, new_mid_end, "left"))
         c_starts = starts[k_lo:k_hi].astype(np.int64) + delta  # in new coordinates

@@ -1,0 +1,100 @@
+"""Session-start (full tokenization) latency: parallel CPU chunks vs. a single reference encode and peers.
+
+For each tokenizer and size (100K, 1M, 4M chars of real text), in one process:
+
+* reference: one `encode` call of the reference engine (HF `tokenizers` / tiktoken);
+* toktier-parallel: `toktier.fullpath.encode_full` (chunks cut at standalone-stable
+  boundaries, encoded with the engine's GIL-releasing batch API);
+* fastokens, gigatoken: fresh tokenizer objects (cold caches), when installed and the
+  tokenizer is a tokenizer.json.
+
+Prints the median of `--reps` runs, the ratio to the single reference encode, and
+whether each output equals the reference (a peer's mismatch is reported, not hidden).
+
+    python -m bench.full_path [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from toktier import load_tokenizer
+from toktier.corpus import large_text
+from toktier.fullpath import encode_full
+
+
+def _peers(tok):
+    out = {}
+    path = getattr(tok.engine, "path", None)
+    if path is None:
+        return out
+    try:
+        import fastokens
+
+        def fastokens_encode(text, _p=path):
+            t = fastokens.Tokenizer.from_file(_p)  # cold: a new object per call
+            return np.asarray(t.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+        out["fastokens"] = fastokens_encode
+    except ImportError:
+        pass
+    try:
+        import gigatoken
+
+        raw = open(path, encoding="utf-8").read()
+
+        def gigatoken_encode(text, _raw=raw):
+            return np.asarray(gigatoken.Tokenizer.from_json(_raw).encode(text), dtype=np.uint32)
+
+        out["gigatoken"] = gigatoken_encode
+    except ImportError:
+        pass
+    return out
+
+
+def timed(fn, text, reps):
+    times, result = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        result = fn(text)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times)), result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizers", default="llama3,cl100k_base,o200k_base,deepseek_v4")
+    ap.add_argument("--sizes", default="100000,1000000,4000000")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kind", default="mixed")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.reps = "100000,1000000", 2
+    print(f"# full path — {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+          f"kind={args.kind}; medians of {args.reps}")
+    print(f"{'tokenizer':<12} {'chars':>9} {'engine':<18} {'ms':>9} {'vs reference':>13} exact")
+    ok = True
+    for name in args.tokenizers.split(","):
+        tok = load_tokenizer(name)
+        engines = {"reference": tok.encode, "toktier-parallel": lambda t, _tok=tok: encode_full(_tok, t)}
+        engines.update(_peers(tok))
+        for size in map(int, args.sizes.split(",")):
+            text = large_text(size, seed=7, kind=args.kind)
+            ref_ms, ref = timed(engines["reference"], text, args.reps)
+            for ename, fn in engines.items():
+                ms, ids = (ref_ms, ref) if ename == "reference" else timed(fn, text, args.reps)
+                exact = bool(np.array_equal(ids, ref))
+                ok &= exact or ename in ("fastokens", "gigatoken")
+                print(f"{name:<12} {size:>9,} {ename:<18} {ms:>9.1f} {ref_ms / ms:>12.2f}x {exact}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
