@@ -20,6 +20,7 @@ import random
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from adversarial import adversarial_text
 from conftest import ALL_TOKENIZERS, HF_TOKENIZERS, get_tokenizer
@@ -164,3 +165,25 @@ def test_suite_catches_a_widened_predicate(monkeypatch, widened, tally):
     with pytest.raises(AssertionError):
         for text in texts:
             check_ids(tok, text, stable_char_positions(tok, text), tally, standalone=False)
+
+
+NFC_ATOMS = ["a", "e", "é", "e\u0301", "\u0301", "\u0323", "\u0327", "A", "\u030a", "Å", "\u212b", "\u1100",
+             "\u1161", "\u11a8", "가", "각", "か", "\u3099", "が", "中", "，", " ", "1", "\u0f71", "\u0f72",
+             "ḍ", "\u0307", "ṩ", "ﬁ", "ǅ", "\u0345", "ω", "\u1fbe"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(u=st.lists(st.sampled_from(NFC_ATOMS), max_size=8).map("".join),
+       v=st.lists(st.sampled_from(NFC_ATOMS), max_size=8).map("".join))
+def test_nfc_splits_at_inert_pairs(u, v, tally):
+    """At a pair of NFC-inert characters the reference normalizer splits: NFC(u+v) = NFC(u) + NFC(v)."""
+    from toktier.families import I
+
+    tok = _supported("qwen3")
+    text = u + v
+    if len(u) == 0 or len(v) == 0:
+        return
+    c = tok.classes
+    if c[ord(u[-1])] & I and c[ord(v[0])] & I:
+        assert tok.engine.normalize(text) == tok.engine.normalize(u) + tok.engine.normalize(v)
+        tally(tok, "nfc")

@@ -80,9 +80,12 @@ DeepSeek (V3/V4: three Split stages, each applied inside the previous pieces)
 NFC families (Qwen3's tokenizer.json: ``NFC`` normalizer, added tokens matched
 on the raw text).  NFC(u + v) = NFC(u) + NFC(v) when v starts with a character
 that has canonical combining class 0, is unchanged by NFC and is never the
-second character of a canonical composition.  ASCII characters satisfy this in
-every Unicode version (stability policy), so NFC families additionally require
-x and y to be ASCII.  The session also checks that each re-tokenized span's
+second character of a canonical composition (class ``I``, see
+``charclass.nfc_inert_mask``; ASCII, CJK ideographs, most letters and punctuation;
+never combining marks, Hangul jamo V/T, or characters NFC changes).  NFC families
+additionally require x and y to be in ``I``: then no composition or reordering
+crosses q, NFC(text) splits at q, and the characters on both sides of q are
+unchanged by normalization, so the pair rules apply to them as written.  The session also checks that each re-tokenized span's
 token bytes tile the original text, i.e. that normalization left it unchanged.
 """
 
@@ -92,8 +95,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Class bits in a per-code-point uint8 table.
-L, N, M, W, K = 1, 2, 4, 8, 16
+# Class bits in a per-code-point uint8 table.  I (NFC-inert) only in NFC families.
+L, N, M, W, K, I = 1, 2, 4, 8, 16, 32
 
 CLASS_PATTERNS: dict[int, str] = {L: r"\p{L}", N: r"\p{N}", M: r"\p{M}", W: r"\s"}
 
@@ -177,7 +180,7 @@ class Family:
         rule_cd = ((cx & N) != 0) != ((cy & N) != 0)
         ok = rule_a | rule_b | rule_cd
         if self.nfc:
-            ok &= (x < 0x80) & (y < 0x80)
+            ok &= ((cx & I) != 0) & ((cy & I) != 0)
         return ok
 
     def chunk_stable(self, classes: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:

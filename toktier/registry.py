@@ -18,10 +18,10 @@ from typing import Sequence
 import numpy as np
 
 from . import bundled
-from .charclass import probe_classes
+from .charclass import nfc_inert_mask, probe_classes
 from .engines import HFEngine, Specials, TiktokenEngine
 from .errors import UnknownTokenizer, UnsupportedTokenizer
-from .families import Family, detect_family
+from .families import I, Family, detect_family
 from .literals import LiteralIndex
 
 
@@ -113,7 +113,8 @@ def _finish(name: str, digest: str, specials: Specials, engine: HFEngine | Tikto
     family, reason = detect_family(facts.normalizer, facts.split_patterns, facts.byte_level, facts.problems)
     token_len = np.fromiter((len(b) for b in engine.token_bytes), dtype=np.uint32, count=len(engine.token_bytes))
     token_len.setflags(write=False)
-    classes = probe_classes(engine, family.class_patterns(), digest) if family else None
+    extra = {I: lambda: nfc_inert_mask(engine.normalize)} if family and family.nfc else None
+    classes = probe_classes(engine, family.class_patterns(), digest, extra) if family else None
     return FrozenTokenizer(
         name=name, hash=digest, specials=specials, family_info=family, family_reason=reason, engine=engine,
         classes=classes, literals=LiteralIndex(lit.content for lit in engine.literals),
