@@ -44,6 +44,7 @@ from .fullpath import encode_full
 from .registry import FrozenTokenizer
 
 MAX_WIDENINGS = 5
+MAX_TEXT_BYTES = 1 << 32  # token start offsets are uint32
 
 
 class RepairPath(str, enum.Enum):
@@ -132,7 +133,10 @@ class Session:
         self._why_not = tokenizer.family_reason
         self._tiles = True  # token bytes tile the text (empty text trivially)
         if text:
-            self._full(_to_utf8(text), len(text), reason="initial text")
+            data = _to_utf8(text)
+            if len(data) >= MAX_TEXT_BYTES:
+                raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
+            self._full(data, len(text), reason="initial text")
 
     # -- read access --------------------------------------------------------
     @property
@@ -225,13 +229,17 @@ class Session:
         if s == e and not data:
             self.stats.noop += 1
             return OpResult(self._ids.view(), self._ids.n, RepairPath.NOOP)
-        if self._spliceable:
+        if len(self._text) - (e - s) + len(data) >= MAX_TEXT_BYTES:
+            raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
+        if not self._spliceable:
+            reason = f"tokenizer not spliceable: {self._why_not}"
+        elif not self._tiles:
+            reason = "token bytes do not tile the text (the normalizer changes it): no splice is provable"
+        else:
             result = self._repair(s, e, data, dchars)
             if result is not None:
                 return result
             reason = f"no certified splice after {MAX_WIDENINGS} widenings"
-        else:
-            reason = f"tokenizer not spliceable: {self._why_not}"
         new_text = bytes(self._text[:s]) + data + bytes(self._text[e:])
         return self._full(new_text, self._nchars + dchars, reason)
 
@@ -264,8 +272,6 @@ class Session:
         return OpResult(self._ids.view(), first_changed, RepairPath.FULL, 0, reason)
 
     def _repair(self, s: int, e: int, data: bytes, dchars: int) -> OpResult | None:
-        if not self._tiles:
-            return None
         tok = self.tokenizer
         T = self._text
         n_old = len(T)
