@@ -41,7 +41,9 @@ def test_tiktoken_patterns_match_tiktoken_ext(monkeypatch):
     import tiktoken_ext.openai_public as op
 
     monkeypatch.setattr(op, "load_tiktoken_bpe", lambda *a, **k: {})
-    cl, o2 = op.cl100k_base(), op.o200k_base()
+    cl, o2, harmony = op.cl100k_base(), op.o200k_base(), op.o200k_harmony()
+    assert harmony["pat_str"] == bundled.O200K_PAT
+    assert harmony["special_tokens"] == bundled.O200K_HARMONY_SPECIALS
     assert cl["pat_str"] == bundled.CL100K_PAT and cl["special_tokens"] == bundled.CL100K_SPECIALS
     assert o2["pat_str"] == bundled.O200K_PAT and o2["special_tokens"] == bundled.O200K_SPECIALS
 
@@ -98,6 +100,16 @@ def test_unknown_and_missing_give_actionable_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKTIER_DATA_DIR", str(tmp_path / "empty"))
     with pytest.raises(TokenizerDataMissing, match="fetch-test-data"):
         toktier.load_tokenizer("qwen3")
+
+
+def test_o200k_harmony_recognizes_chat_literals():
+    tok = toktier.load_tokenizer("o200k_harmony")
+    assert tok.family == "o200k"
+    ids = tok.encode("<|start|>assistant<|channel|>final<|message|>Hi<|end|>").tolist()
+    assert ids[0] == 200006 and 200005 in ids and ids[-1] == 200007
+    s = toktier.Session(tok, "word " * 200 + "<|sta")
+    s.append("rt|>user<|message|>ok")
+    assert np.array_equal(s.ids, tok.encode(s.text))
 
 
 def test_rank_file_path_with_pattern_loads():

