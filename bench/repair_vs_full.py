@@ -1,9 +1,9 @@
 """Repair vs. full re-tokenization on growing real-text sessions.
 
-For each bundled tokenizer and each context size (100K, 300K, 1M, 2M, 4M chars)
-a session is built on real text, then receives appends whose sizes are drawn
-log-normally around a 1.4K-char median (P90 ~10K).  In the same run and process
-it times:
+For each bundled tokenizer, one session per context size (100K, 300K, 1M, 2M,
+4M chars of real text) receives the same appends, whose sizes are drawn
+log-normally around a 1.4K-char median (P90 ~10K); appends are interleaved across
+the sizes so machine noise hits all sizes alike.  In the same run it times:
 
 * repair: `Session.append` (window re-tokenization + certified splice);
 * full:   the reference engine re-tokenizing the whole new text (HF `tokenizers`
@@ -46,40 +46,47 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def run_one(name: str, size: int, n_appends: int, n_full: int, seed: int, kind: str) -> dict:
+def run_tokenizer(name: str, sizes_chars: list[int], n_appends: int, n_full: int, seed: int,
+                  kind: str) -> list[dict]:
+    """One session per context size; the same appends are applied to all of them,
+    interleaved, so machine noise hits every size alike (a fair flatness comparison)."""
     tok = load_tokenizer(name)
     rng = random.Random(seed)
     sizes = append_sizes(rng, n_appends)
-    # The appended material is the same at every context size, so the sizes differ
-    # only in how much context precedes the appends (a fair flatness comparison).
-    text = large_text(size, seed=seed, kind=kind) + large_text(sum(sizes), seed=seed + 1, kind=kind)
-    if tok.family_info is not None and tok.family_info.nfc:
-        text = tok.engine.normalize(text)
-    session = Session(tok, text[:size])
-    pos = size
-    repair_ms: list[float] = []
-    full_ms: list[float] = []
-    outcomes = {p.value: 0 for p in RepairPath}
-    for i, n in enumerate(sizes):
-        chunk = text[pos : pos + n]
-        pos += n
-        t0 = time.perf_counter()
-        r = session.append(chunk)
-        repair_ms.append((time.perf_counter() - t0) * 1e3)
-        outcomes[r.path.value] += 1
-        if i < n_full:
-            full_text = text[:pos]
+    appended = large_text(sum(sizes), seed=seed + 1, kind=kind)
+    norm = tok.engine.normalize if tok.family_info is not None and tok.family_info.nfc else (lambda t: t)
+    appended = norm(appended)
+    contexts = {n: norm(large_text(n, seed=seed, kind=kind)) for n in sizes_chars}
+    sessions = {n: Session(tok, contexts[n]) for n in sizes_chars}
+    repair_ms: dict[int, list[float]] = {n: [] for n in sizes_chars}
+    outcomes = {n: {p.value: 0 for p in RepairPath} for n in sizes_chars}
+    pos = 0
+    for n_app in sizes:
+        chunk = appended[pos : pos + n_app]
+        pos += n_app
+        for n, session in sessions.items():
             t0 = time.perf_counter()
-            tok.encode(full_text)
+            r = session.append(chunk)
+            repair_ms[n].append((time.perf_counter() - t0) * 1e3)
+            outcomes[n][r.path.value] += 1
+    rows = []
+    for n in list(sessions):
+        session = sessions[n]
+        full_text = contexts[n] + appended[:pos]
+        full_ms = []
+        for _ in range(n_full):
+            t0 = time.perf_counter()
+            ref = tok.encode(full_text)
             full_ms.append((time.perf_counter() - t0) * 1e3)
-    exact = bool(np.array_equal(session.ids, tok.encode(text[:pos])))
-    return {
-        "tokenizer": name, "family": tok.family, "engine": tok.engine.engine_name, "context_chars": size,
-        "appends": n_appends, "repair_p50_ms": pct(repair_ms, 50), "repair_p90_ms": pct(repair_ms, 90),
-        "full_p50_ms": pct(full_ms, 50), "full_p90_ms": pct(full_ms, 90),
-        "outcomes": outcomes, "exact": exact, "tokens": session.num_tokens,
-        "bytes_per_token_arrays": (session.nbytes - session.num_bytes) / max(1, session.num_tokens),
-    }
+        rows.append({
+            "tokenizer": name, "family": tok.family, "engine": tok.engine.engine_name, "context_chars": n,
+            "appends": n_appends, "repair_p50_ms": pct(repair_ms[n], 50), "repair_p90_ms": pct(repair_ms[n], 90),
+            "full_p50_ms": pct(full_ms, 50), "full_p90_ms": pct(full_ms, 90),
+            "outcomes": outcomes[n], "exact": bool(np.array_equal(session.ids, ref)), "tokens": session.num_tokens,
+            "bytes_per_token_arrays": (session.nbytes - session.num_bytes) / max(1, session.num_tokens),
+        })
+        del sessions[n]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'tokenizer':<12} {'family':<9} {'engine':<10} {'context':>9} {'repair P50':>11} {'P90':>8} "
           f"{'full P50':>10} {'P90':>9} {'P50 ratio':>10}  outcomes (first/widened/full)  exact")
     for name in args.tokenizers.split(","):
-        for size in map(int, args.sizes.split(",")):
-            try:
-                row = run_one(name, size, args.appends, args.full, args.seed, args.kind)
-            except TokenizerDataMissing as exc:
-                print(f"{name:<12} skipped: {exc}")
-                break
+        try:
+            new_rows = run_tokenizer(name, [int(x) for x in args.sizes.split(",")], args.appends, args.full,
+                                     args.seed, args.kind)
+        except TokenizerDataMissing as exc:
+            print(f"{name:<12} skipped: {exc}")
+            continue
+        for row in new_rows:
+            size = row["context_chars"]
             rows.append(row)
             o = row["outcomes"]
             print(f"{name:<12} {row['family'] or '-':<9} {row['engine']:<10} {size:>9,} "
