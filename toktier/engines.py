@@ -81,6 +81,9 @@ class HFEngine:
         self.version = tokenizers.__version__
         self.path = path
         self._tok = tokenizers.Tokenizer.from_file(path)
+        # Truncation/padding shape batches for a model; a prompt's tokens are never cut.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         if specials == "none":
             # Special added tokens become plain text; non-special ones still match.
             self._tok.encode_special_tokens = True
