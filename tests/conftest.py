@@ -11,6 +11,7 @@ import collections
 import os
 
 import pytest
+from hypothesis import settings
 
 import toktier
 from toktier.errors import TokenizerDataMissing
@@ -19,6 +20,10 @@ ALL_TOKENIZERS = ("cl100k_base", "o200k_base", "llama3", "deepseek_v4", "qwen3")
 HF_TOKENIZERS = ("llama3", "deepseek_v4", "qwen3")
 
 _TALLY: collections.Counter = collections.Counter()
+
+# Failures print a reproduction blob; `pytest --hypothesis-seed=N` replays a run.
+settings.register_profile("toktier", print_blob=True)
+settings.load_profile("toktier")
 
 
 def pytest_addoption(parser):

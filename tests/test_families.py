@@ -103,7 +103,7 @@ def test_ids_real_text(name, standalone, tally):
 
 
 @pytest.mark.parametrize("name", HF_TOKENIZERS)
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=adversarial_text)
 def test_pieces_adversarial(name, text, tally):
     tok = _supported(name)
@@ -112,7 +112,7 @@ def test_pieces_adversarial(name, text, tally):
 
 
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=adversarial_text)
 def test_ids_adversarial(name, text, tally):
     tok = _supported(name)

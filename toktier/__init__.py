@@ -23,8 +23,10 @@ from .errors import (
 )
 from .registry import FrozenTokenizer, Registry, list_tokenizers, load_tokenizer
 from .session import OpResult, RepairPath, Session, SessionStats
+from .store import EndCause, SessionMiss, SessionStore
 
 __all__ = [
+    "EndCause",
     "FrozenTokenizer",
     "InvalidEditRange",
     "InvalidText",
@@ -32,7 +34,9 @@ __all__ = [
     "Registry",
     "RepairPath",
     "Session",
+    "SessionMiss",
     "SessionStats",
+    "SessionStore",
     "TokTierError",
     "TokenizerDataMissing",
     "UnknownTokenizer",

@@ -26,6 +26,10 @@ _SEARCH = 2048  # characters searched after each target offset for a cut
 class FullPathConfig:
     chunk_chars: int = 65_536
     min_parallel_chars: int = 131_072
+    # HF `encode` holds the GIL for its whole run; the batch API releases it.  Above
+    # this size even a one-piece encode goes through the batch API, so a server
+    # thread doing a session start never freezes the event loop.
+    min_gil_free_chars: int = 16_384
 
 
 def chunk_cuts(tok: FrozenTokenizer, text: str, chunk_chars: int) -> list[int]:
@@ -68,11 +72,11 @@ def _byte_offsets(s: str) -> tuple[None, np.ndarray]:
 
 def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathConfig()) -> np.ndarray:
     """Exactly `tok.encode(text)`, in parallel chunks when the text is large enough."""
-    if len(text) < cfg.min_parallel_chars or tok.family_info is None:
-        return tok.encode(text)
-    cuts = chunk_cuts(tok, text, cfg.chunk_chars)
+    cuts = chunk_cuts(tok, text, cfg.chunk_chars) if len(text) >= cfg.min_parallel_chars else []
     if not cuts:
-        return tok.encode(text)
+        if len(text) < cfg.min_gil_free_chars:
+            return tok.encode(text)
+        return tok.encode_batch([text])[0]
     bounds = [0, *cuts, len(text)]
     parts = tok.encode_batch([text[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
     return np.concatenate(parts).astype(np.uint32, copy=False)

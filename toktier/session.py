@@ -132,6 +132,8 @@ class Session:
         self._spliceable = tokenizer.family_info is not None
         self._why_not = tokenizer.family_reason
         self._tiles = True  # token bytes tile the text (empty text trivially)
+        # An operator (e.g. the shadow verifier on a mismatch) may switch splicing off.
+        self.fast_path = True
         if text:
             data = _to_utf8(text)
             if len(data) >= MAX_TEXT_BYTES:
@@ -233,6 +235,8 @@ class Session:
             raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
         if not self._spliceable:
             reason = f"tokenizer not spliceable: {self._why_not}"
+        elif not self.fast_path:
+            reason = "fast path disabled for this session"
         elif not self._tiles:
             reason = "token bytes do not tile the text (the normalizer changes it): no splice is provable"
         else:

@@ -1,0 +1,44 @@
+"""TokTier client: exact incremental tokenization served by a local sidecar.
+
+Token IDs come back as read-only numpy ``uint32`` views of POSIX shared memory
+(no copy, no Python list).  See ``toktier_client.shm`` for the segment layout and
+lifetimes, ``toktier_client.protocol`` for the wire format.
+"""
+
+from .aio import AsyncClient, AsyncSession
+from .client import Client, Session
+from .errors import (
+    BadFrame,
+    BadRequest,
+    ConnectionLost,
+    FrameTooLarge,
+    InternalError,
+    InvalidEditRange,
+    InvalidText,
+    Overloaded,
+    PermissionDenied,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    SegmentAccessDenied,
+    SegmentGone,
+    SessionConflict,
+    SessionMiss,
+    ShuttingDown,
+    TokenizerDataMissing,
+    TokenizerMismatch,
+    TokTierError,
+    TooLarge,
+    UnknownTokenizer,
+    VersionMismatch,
+)
+from .protocol import PROTOCOL_VERSION
+from .shm import Result
+
+__all__ = [
+    "AsyncClient", "AsyncSession", "Client", "Session", "Result", "PROTOCOL_VERSION",
+    "TokTierError", "RemoteError", "SessionMiss", "SessionConflict", "UnknownTokenizer",
+    "TokenizerMismatch", "TokenizerDataMissing", "InvalidEditRange", "InvalidText", "BadRequest",
+    "BadFrame", "FrameTooLarge", "TooLarge", "Overloaded", "PermissionDenied", "VersionMismatch",
+    "ShuttingDown", "InternalError", "ConnectionLost", "ProtocolError", "RequestTimeout", "SegmentGone", "SegmentAccessDenied",
+]

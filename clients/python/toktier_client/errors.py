@@ -1,0 +1,173 @@
+"""Errors the client raises.
+
+Two kinds, kept apart (as h11 and asyncpg do):
+
+* :class:`RemoteError` subclasses: the sidecar answered with a typed error frame.
+  Each wire :class:`~toktier_client.protocol.ErrorCode` maps to exactly one class
+  here, and the classes carry the same names and builtin bases as the core
+  library's (``UnknownTokenizer`` is a ``KeyError``, ``InvalidEditRange`` a
+  ``ValueError``...), so ``except KeyError`` works the same in-process and over
+  the socket.  The mapping is by code, never by message text.
+* Local conditions: :class:`ConnectionLost` (the socket died),
+  :class:`ProtocolError` (the *server* sent something this client cannot
+  understand), :class:`SegmentAccessDenied`, :class:`SegmentGone` (a reply named a shared-memory segment that
+  no longer exists because a later op on the same session already replaced it).
+"""
+
+from __future__ import annotations
+
+from .protocol import ErrorCode
+
+
+class TokTierError(Exception):
+    """Base class of every error this package raises."""
+
+
+class RemoteError(TokTierError):
+    """The sidecar refused or failed a request; ``code`` is the wire error code."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str = "", *, request_id: int = 0) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+    def __str__(self) -> str:  # KeyError subclasses would quote the message otherwise
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionMiss(RemoteError, KeyError):
+    """The session is unknown to the sidecar (never opened, closed, evicted or lost in a restart).
+
+    Answer it by re-opening the session with its full text (``Client.session(...,
+    recover=True)`` does this automatically)."""
+
+    code = ErrorCode.SESSION_MISS
+
+
+class SessionConflict(RemoteError):
+    """The session changed since the state this client last saw (``expect_seq`` mismatch),
+    e.g. a retried op after a dropped connection, or another connection using the same id."""
+
+    code = ErrorCode.SESSION_CONFLICT
+
+
+class UnknownTokenizer(RemoteError, KeyError):
+    """No tokenizer with that name or hash is served; the message lists what exists."""
+
+    code = ErrorCode.UNKNOWN_TOKENIZER
+
+
+class TokenizerMismatch(RemoteError, ValueError):
+    """The session is bound to a different tokenizer than the request names."""
+
+    code = ErrorCode.TOKENIZER_MISMATCH
+
+
+class TokenizerDataMissing(RemoteError, FileNotFoundError):
+    """A bundled tokenizer whose reference data is not installed on the sidecar host."""
+
+    code = ErrorCode.TOKENIZER_DATA_MISSING
+
+
+class InvalidEditRange(RemoteError, ValueError):
+    """An edit's [start, end) is reversed or outside the session text (code-point offsets)."""
+
+    code = ErrorCode.INVALID_EDIT_RANGE
+
+
+class InvalidText(RemoteError, ValueError):
+    """Text that is not valid Unicode / UTF-8 (e.g. lone surrogates)."""
+
+    code = ErrorCode.INVALID_TEXT
+
+
+class BadRequest(RemoteError, ValueError):
+    """A well-framed message the sidecar does not accept (wrong shape, wrong field types)."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class BadFrame(RemoteError):
+    """A frame the sidecar could not decode at all; the sidecar drops the connection."""
+
+    code = ErrorCode.BAD_FRAME
+
+
+class FrameTooLarge(RemoteError):
+    """A frame longer than the sidecar's maximum; the sidecar drops the connection."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+class TooLarge(RemoteError):
+    """The op would grow a session (or a stateless text) beyond the sidecar's limit."""
+
+    code = ErrorCode.TOO_LARGE
+
+
+class Overloaded(RemoteError):
+    """A limit on concurrency was hit (connections, in-flight requests, pending handoffs)."""
+
+    code = ErrorCode.OVERLOADED
+
+
+class PermissionDenied(RemoteError, PermissionError):
+    """The sidecar does not admit this peer's uid/gid (SO_PEERCRED)."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class VersionMismatch(RemoteError):
+    """The sidecar speaks a different protocol version."""
+
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class ShuttingDown(RemoteError):
+    """The sidecar is shutting down and takes no new requests."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class InternalError(RemoteError):
+    """An unexpected failure inside the sidecar (it is logged there)."""
+
+    code = ErrorCode.INTERNAL
+
+
+class ConnectionLost(TokTierError, ConnectionError):
+    """The socket closed or failed before the reply arrived."""
+
+
+class RequestTimeout(TokTierError, TimeoutError):
+    """No reply within the client's ``timeout``.  The connection stays usable (a late reply is
+    discarded); the request may still have been applied."""
+
+
+class ProtocolError(TokTierError):
+    """The sidecar sent something this client does not understand."""
+
+
+class SegmentGone(TokTierError):
+    """A reply's shared-memory segment was already unlinked by a later op on the session."""
+
+
+class SegmentAccessDenied(TokTierError, PermissionError):
+    """This process may not map the segment (it runs under another uid and the sidecar was not
+    configured with a group it shares)."""
+
+
+ERRORS_BY_CODE: dict[ErrorCode, type[RemoteError]] = {
+    cls.code: cls
+    for cls in (
+        SessionMiss, SessionConflict, UnknownTokenizer, TokenizerMismatch, TokenizerDataMissing,
+        InvalidEditRange, InvalidText, BadRequest, BadFrame, FrameTooLarge, TooLarge, Overloaded,
+        PermissionDenied, VersionMismatch, ShuttingDown, InternalError,
+    )
+}
+
+
+def error_from_code(code: ErrorCode, message: str, request_id: int = 0) -> RemoteError:
+    """The exception instance for a wire error frame."""
+    return ERRORS_BY_CODE.get(code, InternalError)(message, request_id=request_id)

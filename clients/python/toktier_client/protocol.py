@@ -1,0 +1,351 @@
+"""The TokTier wire protocol: the one definition, imported by the sidecar and the clients.
+
+Transport: a Unix stream socket.  Each message is one *frame*::
+
+    +----------------------+-------------------------------+
+    | length: u32, big-end | body: msgpack, `length` bytes |
+    +----------------------+-------------------------------+
+
+The body is one msgspec Struct from a tagged union (tag field ``"t"``).  A
+receiver enforces a maximum body length *before* buffering it, so a peer that
+claims 4 GB is refused after 4 bytes.
+
+Conversation::
+
+    client                                  sidecar
+    Hello(version)              ------->
+                                <-------    Welcome(version, limits)   | Error(fatal)
+    Open/Append/Edit/Sync/      ------->
+    Encode/Close/Stats/
+    ListTokenizers (id=N)
+                                <-------    Ids/Closed/StatsReply/TokenizerList/Error (id=N)
+    Release(segment)            ------->    (no reply)
+
+Requests carry a client-chosen ``id``; replies carry the same ``id`` and may arrive
+out of order (different sessions proceed concurrently; ops on one session are
+applied in arrival order).  Token IDs never travel in frames: an ``Ids`` reply
+says where they are in shared memory (see ``toktier_client.shm``).
+
+Text offsets (``Edit.start``/``Edit.end``) count Unicode code points, as Python
+``str`` indices do.  New fields are only ever added with defaults, so older peers
+keep decoding newer messages.
+
+>>> frame = encode_frame(Hello(version=PROTOCOL_VERSION))
+>>> FrameDecoder(max_frame=1024).feed(frame)[0] == frame[4:]
+True
+>>> REQUEST_DECODER.decode(frame[4:]) == Hello(version=PROTOCOL_VERSION)
+True
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+#: Default maximum frame body: 4 bytes per code point (UTF-8 worst case) of the
+#: sidecar's default maximum session text (16 Mi code points), plus 64 KiB for the
+#: message envelope, so a full-text ``Sync`` of the largest allowed session fits.
+DEFAULT_MAX_SESSION_CHARS = 16 * 1024 * 1024
+DEFAULT_MAX_FRAME = 4 * DEFAULT_MAX_SESSION_CHARS + 64 * 1024
+
+HEADER = struct.Struct(">I")
+
+
+class ErrorCode(str, enum.Enum):
+    """Typed error codes; the client maps each to one exception class."""
+
+    SESSION_MISS = "session_miss"
+    SESSION_CONFLICT = "session_conflict"
+    UNKNOWN_TOKENIZER = "unknown_tokenizer"
+    TOKENIZER_MISMATCH = "tokenizer_mismatch"
+    TOKENIZER_DATA_MISSING = "tokenizer_data_missing"
+    INVALID_EDIT_RANGE = "invalid_edit_range"
+    INVALID_TEXT = "invalid_text"
+    BAD_REQUEST = "bad_request"
+    BAD_FRAME = "bad_frame"
+    FRAME_TOO_LARGE = "frame_too_large"
+    TOO_LARGE = "too_large"
+    OVERLOADED = "overloaded"
+    PERMISSION_DENIED = "permission_denied"
+    VERSION_MISMATCH = "version_mismatch"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class _Msg(msgspec.Struct, tag_field="t", omit_defaults=True, frozen=True):
+    """Base of every wire message."""
+
+
+# --------------------------------------------------------------------- requests
+
+
+class Hello(_Msg, tag="hello"):
+    """First frame of every connection."""
+
+    version: int
+    client: str = ""
+
+
+class Open(_Msg, tag="open"):
+    """Create session ``session`` with ``text``; if it exists (same tokenizer), sync it to ``text``.
+
+    ``tokenizer`` is a served name or a content hash; empty means the sidecar's
+    default.  ``specials="none"`` treats special-token literals as plain text.
+    ``window`` 0 means the sidecar's default repair window.  With
+    ``bind_to_connection`` the session is closed when this connection closes.
+    Open is idempotent: re-sending it always yields exactly ``text``'s tokens.
+    """
+
+    id: int
+    session: str
+    tokenizer: str = ""
+    text: str = ""
+    specials: str = "all"
+    window: int = 0
+    bind_to_connection: bool = False
+
+
+class Append(_Msg, tag="append"):
+    """Append ``text``.  ``expect_seq`` >= 0 refuses the op unless the session is at that seq."""
+
+    id: int
+    session: str
+    text: str
+    expect_seq: int = -1
+    tokenizer: str = ""
+
+
+class Edit(_Msg, tag="edit"):
+    """Replace code points [start, end) of the session text with ``text``."""
+
+    id: int
+    session: str
+    start: int
+    end: int
+    text: str
+    expect_seq: int = -1
+    tokenizer: str = ""
+
+
+class Sync(_Msg, tag="sync"):
+    """Make the session text equal ``text`` (the sidecar diffs it against the stored text)."""
+
+    id: int
+    session: str
+    text: str
+    expect_seq: int = -1
+    tokenizer: str = ""
+
+
+class Encode(_Msg, tag="encode"):
+    """Stateless full encode of ``text``; the reply's segment is a one-shot handoff."""
+
+    id: int
+    text: str
+    tokenizer: str = ""
+    specials: str = "all"
+
+
+class Close(_Msg, tag="close"):
+    """Close a session and unlink its segment."""
+
+    id: int
+    session: str
+
+
+class Stats(_Msg, tag="stats"):
+    id: int
+
+
+class ListTokenizers(_Msg, tag="list_tokenizers"):
+    id: int
+
+
+class Release(_Msg, tag="release"):
+    """The client has mapped handoff ``segment``; the sidecar unlinks its name.  No reply."""
+
+    segment: str
+
+
+Request = Union[Hello, Open, Append, Edit, Sync, Encode, Close, Stats, ListTokenizers, Release]
+SESSION_OPS = (Open, Append, Edit, Sync, Close)
+
+# ---------------------------------------------------------------------- replies
+
+
+class Welcome(_Msg, tag="welcome"):
+    version: int
+    server: str
+    max_frame: int
+    max_session_chars: int
+    max_inflight: int
+    default_tokenizer: str
+    namespace: str = ""
+
+
+class Ids(_Msg, tag="ids"):
+    """Where the result's token IDs are: ``count`` uint32 at byte ``offset`` of ``segment``.
+
+    ``seq`` is the session's op counter after this op (0 for stateless encodes); the
+    segment header holds the seq of the state it currently shows.  ``handoff`` marks
+    a one-shot segment the client must ``Release`` after mapping it."""
+
+    id: int
+    segment: str
+    offset: int
+    count: int
+    seq: int
+    first_changed: int
+    path: str
+    tokenizer: str
+    widenings: int = 0
+    handoff: bool = False
+
+
+class Closed(_Msg, tag="closed"):
+    id: int
+    existed: bool
+
+
+class TokenizerInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str
+    hash: str
+    family: str = ""
+    specials: str = "all"
+
+
+class TokenizerList(_Msg, tag="tokenizers"):
+    id: int
+    available: list[str]
+    loaded: list[TokenizerInfo]
+    default: str = ""
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    id: int
+    sessions: int
+    bytes_held: int
+    shm_bytes: int
+    shm_segments: int
+    opened: int
+    closed: int
+    misses: int
+    evictions: dict[str, int]
+    connections: int
+    uptime_s: float
+    inflight: int = 0  # requests being processed off the event loop (workers, queued lanes)
+    verified: int = 0  # results re-encoded by the shadow verifier
+    mismatches: int = 0  # ... that differed from the reference (each one is logged with a reproducer)
+
+
+class Error(_Msg, tag="error"):
+    """A typed failure of request ``id`` (0 when the request could not be identified).
+    ``fatal`` means the sidecar closes the connection after this frame."""
+
+    id: int
+    code: ErrorCode
+    message: str
+    fatal: bool = False
+
+
+Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Error]
+
+REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
+REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
+
+
+class _IdOnly(msgspec.Struct):
+    """Decodes just the ``id`` of a frame that failed full validation (other fields are skipped
+    unread, so an invalid UTF-8 text still yields its request id)."""
+
+    id: int = 0
+
+
+_ID_DECODER = msgspec.msgpack.Decoder(_IdOnly)
+
+
+def salvage_request_id(body: bytes | memoryview) -> int | None:
+    """The ``id`` of a malformed request body, or None if even that cannot be read."""
+    try:
+        return _ID_DECODER.decode(body).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+# ---------------------------------------------------------------------- framing
+
+
+class FrameTooLargeError(Exception):
+    """A frame header claims more than the receiver's maximum body length."""
+
+    def __init__(self, claimed: int, limit: int) -> None:
+        super().__init__(f"frame of {claimed} bytes exceeds the limit of {limit}")
+        self.claimed = claimed
+        self.limit = limit
+
+
+class FrameDecoder:
+    """Sans-IO frame splitter: ``feed(bytes) -> [body, ...]``.
+
+    Buffers at most one partial frame (bounded by ``max_frame``).  Raises
+    :class:`FrameTooLargeError` as soon as a header claims too much, without
+    waiting for (or buffering) the claimed body.
+
+    >>> d = FrameDecoder(max_frame=8)
+    >>> d.feed(b"\\x00\\x00\\x00\\x02h"), d.feed(b"i\\x00"), d.buffered
+    ([], [b'hi'], 1)
+    """
+
+    __slots__ = ("max_frame", "_buf", "_need")
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._need = -1  # body length of the frame being assembled, -1 = header not read yet
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held (0 at a frame boundary)."""
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        pos = 0
+        n = len(buf)
+        while True:
+            if self._need < 0:
+                if n - pos < 4:
+                    break
+                (need,) = HEADER.unpack_from(buf, pos)
+                if need > self.max_frame:
+                    del buf[:]
+                    raise FrameTooLargeError(need, self.max_frame)
+                self._need = need
+                pos += 4
+            if n - pos < self._need:
+                break
+            with memoryview(buf) as view:
+                out.append(bytes(view[pos : pos + self._need]))
+            pos += self._need
+            self._need = -1
+        if pos:
+            del buf[:pos]
+        return out
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_frame(msg: _Msg, encoder: msgspec.msgpack.Encoder = _ENCODER) -> bytearray:
+    """One frame (header + msgpack body) for ``msg``, built in a single buffer (no extra copy)."""
+    buf = bytearray(4)
+    encoder.encode_into(msg, buf, 4)
+    HEADER.pack_into(buf, 0, len(buf) - 4)
+    return buf

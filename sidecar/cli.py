@@ -1,0 +1,110 @@
+"""``toktier serve``: run the sidecar.
+
+    toktier serve [--socket PATH] [--tokenizer NAME ...] [--config FILE.toml] [--metrics-port N] ...
+
+With no ``--tokenizer`` it serves the bundled default (llama3).  A TOML config
+file may set any :class:`sidecar.config.ServerConfig` field by name; flags given
+on the command line win.  Under systemd it accepts a socket-activated listener
+(``LISTEN_FDS``) and reports readiness (``Type=notify``); SIGTERM drains
+in-flight requests, unlinks every shared-memory segment and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import grp
+import logging
+import sys
+from typing import Sequence
+
+import uvloop
+
+from .config import DEFAULT_TOKENIZER, ServerConfig, default_socket_path
+from .server import Sidecar
+
+
+def _size(text: str) -> int:
+    """Bytes from '512M', '2G', '1048576'."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _group(text: str) -> int:
+    return int(text) if text.isdigit() else grp.getgrnam(text).gr_gid
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="toktier serve", description="Run the TokTier tokenization sidecar.")
+    p.add_argument("--socket", dest="socket_path", help=f"Unix socket path (default {default_socket_path()})")
+    p.add_argument("--tokenizer", dest="tokenizers", action="append",
+                   help=f"tokenizer to preload (name or tokenizer file); repeatable; the first is the default "
+                        f"(default {DEFAULT_TOKENIZER})")
+    p.add_argument("--config", help="TOML file with ServerConfig fields")
+    p.add_argument("--no-lazy-load", dest="lazy_load", action="store_false", default=None,
+                   help="serve only the preloaded tokenizers")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument("--metrics-addr", help="metrics bind address (default 127.0.0.1)")
+    p.add_argument("--allow-uid", dest="allowed_uids", type=int, action="append",
+                   help="admit this peer uid (repeatable; default: the server's own uid)")
+    p.add_argument("--allow-gid", dest="allowed_gids", type=int, action="append", help="admit peers in this gid")
+    p.add_argument("--group", type=_group, help="group owning the socket (0660) and segments (0640)")
+    p.add_argument("--shared-namespace", action="store_true", default=None,
+                   help="one session namespace for all admitted peers (default: per peer uid)")
+    p.add_argument("--memory-budget", type=_size, help="bytes of session state before LRU eviction (e.g. 512M)")
+    p.add_argument("--ttl", dest="session_ttl", type=float, help="seconds a session may stay unused (default 3600)")
+    p.add_argument("--max-connections", type=int)
+    p.add_argument("--max-sessions", type=int, help="open sessions before LRU eviction (default 16384)")
+    p.add_argument("--max-inflight", type=int, help="unanswered requests per connection")
+    p.add_argument("--max-session-chars", type=int)
+    p.add_argument("--window", type=int, help="repair window in bytes (default 512)")
+    p.add_argument("--workers", type=int, help="worker threads for large encodes")
+    p.add_argument("--inline-chars", type=int,
+                   help="ops carrying at most this many code points run on the event loop (default 16384)")
+    p.add_argument("--shm-prefix", help="shared-memory name prefix (default toktier)")
+    p.add_argument("--verify-rate", type=float,
+                   help="fraction of results the shadow verifier re-encodes in the background (default 0)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def load_config(args: argparse.Namespace) -> ServerConfig:
+    values: dict[str, object] = {}
+    if args.config:
+        import tomllib
+
+        with open(args.config, "rb") as f:
+            values.update(tomllib.load(f))
+    for f in dataclasses.fields(ServerConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    for name in ("tokenizers",):
+        if name in values:
+            values[name] = tuple(values[name])  # type: ignore[arg-type]
+    for name in ("allowed_uids", "allowed_gids"):
+        if name in values:
+            values[name] = frozenset(values[name])  # type: ignore[arg-type]
+    unknown = set(values) - {f.name for f in dataclasses.fields(ServerConfig)}
+    if unknown:
+        raise SystemExit(f"unknown config keys: {', '.join(sorted(unknown))}")
+    if "max_session_chars" in values and "max_frame" not in values:
+        values["max_frame"] = 4 * int(values["max_session_chars"]) + 64 * 1024  # type: ignore[arg-type]
+    return ServerConfig(**values)  # type: ignore[arg-type]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``toktier serve``; ``argv`` is the argument list after ``serve``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args)
+    uvloop.run(Sidecar(config).run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

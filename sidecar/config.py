@@ -1,0 +1,75 @@
+"""Sidecar configuration: one frozen dataclass, filled from CLI flags and an optional TOML file."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from toktier.store import DEFAULT_MEMORY_BUDGET, DEFAULT_TTL
+from toktier_client.protocol import DEFAULT_MAX_FRAME, DEFAULT_MAX_SESSION_CHARS
+
+DEFAULT_TOKENIZER = "llama3"
+
+
+def default_socket_path() -> str:
+    """``$XDG_RUNTIME_DIR/toktier.sock`` when set, else ``/run/toktier/toktier.sock`` for root,
+    else ``/tmp/toktier-<uid>.sock``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "toktier.sock")
+    if os.getuid() == 0:
+        return "/run/toktier/toktier.sock"
+    return f"/tmp/toktier-{os.getuid()}.sock"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the sidecar can be told.  Limits are per server unless named otherwise."""
+
+    socket_path: str = field(default_factory=default_socket_path)
+    #: Tokenizers loaded at start (names or tokenizer file paths); the first is the default.
+    tokenizers: tuple[str, ...] = (DEFAULT_TOKENIZER,)
+    #: Bundled tokenizers not preloaded may still be loaded on a client's first request.
+    lazy_load: bool = True
+    max_connections: int = 256
+    #: Unanswered requests per connection (pipelining depth) before ``overloaded``.
+    max_inflight: int = 64
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_session_chars: int = DEFAULT_MAX_SESSION_CHARS
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    #: Most open sessions (LRU beyond it).  Each session keeps one mmap of its segment and
+    #: Linux allows 65530 mappings per process by default (vm.max_map_count), shared with
+    #: everything else the process maps: a quarter of it leaves ample headroom.
+    max_sessions: int = 16384
+    session_ttl: float = DEFAULT_TTL
+    #: Seconds between TTL sweeps (lookups also check the TTL).
+    sweep_interval: float = 30.0
+    window: int = 512
+    #: Ops whose text is at most this many code points run on the event loop (a
+    #: repair window costs well under a millisecond); larger ones go to a worker.
+    inline_chars: int = 16 * 1024
+    workers: int = field(default_factory=lambda: max(2, os.cpu_count() or 2))
+    #: Peer uids/gids admitted (SO_PEERCRED).  Empty uids means "the server's own uid".
+    allowed_uids: frozenset[int] = frozenset()
+    allowed_gids: frozenset[int] = frozenset()
+    #: Group owning the socket and segments (mode 0660 / 0640 instead of 0600).
+    group: int | None = None
+    #: Sessions visible to every admitted peer instead of namespaced by peer uid.
+    shared_namespace: bool = False
+    #: Stateless encode results a connection may hold without Release.
+    max_handoffs: int = 64
+    shm_prefix: str = "toktier"
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    #: Fraction of served results re-encoded by the shadow verifier (0 = off).  Sampling a
+    #: session result materializes its text and copies its IDs (O(N), on the loop thread),
+    #: so keep it small for long sessions.
+    verify_rate: float = 0.0
+    #: Seconds to let in-flight requests finish on SIGTERM.
+    shutdown_grace: float = 10.0
+
+    def admitted_uids(self) -> frozenset[int]:
+        return self.allowed_uids or frozenset({os.getuid()})
+
+    def admits(self, uid: int, gid: int) -> bool:
+        return uid in self.admitted_uids() or gid in self.allowed_gids

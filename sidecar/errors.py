@@ -1,0 +1,78 @@
+"""Sidecar-side errors and the one table that maps every error class to a wire code.
+
+Core errors (``toktier.errors``) keep their classes; the client re-raises each
+code as the class of the same name (``toktier_client.errors``).
+"""
+
+from __future__ import annotations
+
+from toktier.errors import (
+    InvalidEditRange,
+    InvalidText,
+    TokenizerDataMissing,
+    TokTierError,
+    UnknownTokenizer,
+    UnsupportedTokenizer,
+)
+from toktier.store import SessionMiss
+from toktier_client.protocol import ErrorCode
+
+
+class SidecarError(TokTierError):
+    """Base of errors raised by the sidecar itself; ``code`` is the wire code."""
+
+    code = ErrorCode.INTERNAL
+
+
+class SessionConflict(SidecarError):
+    """``expect_seq`` does not match the session's current seq."""
+
+    code = ErrorCode.SESSION_CONFLICT
+
+
+class TokenizerMismatch(SidecarError, ValueError):
+    """The request names a tokenizer other than the one the session is bound to."""
+
+    code = ErrorCode.TOKENIZER_MISMATCH
+
+
+class TooLarge(SidecarError):
+    """The op would exceed the maximum text per session (or per stateless encode)."""
+
+    code = ErrorCode.TOO_LARGE
+
+
+class Overloaded(SidecarError):
+    """A concurrency limit was hit."""
+
+    code = ErrorCode.OVERLOADED
+
+
+class BadRequest(SidecarError, ValueError):
+    """A well-formed request with unacceptable values (window, specials...)."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class ShuttingDown(SidecarError):
+    code = ErrorCode.SHUTTING_DOWN
+
+
+_CORE_CODES: dict[type[BaseException], ErrorCode] = {
+    SessionMiss: ErrorCode.SESSION_MISS,
+    UnknownTokenizer: ErrorCode.UNKNOWN_TOKENIZER,
+    UnsupportedTokenizer: ErrorCode.UNKNOWN_TOKENIZER,
+    TokenizerDataMissing: ErrorCode.TOKENIZER_DATA_MISSING,
+    InvalidEditRange: ErrorCode.INVALID_EDIT_RANGE,
+    InvalidText: ErrorCode.INVALID_TEXT,
+}
+
+
+def code_for(exc: BaseException) -> ErrorCode | None:
+    """The wire code for an expected error, or None for a bug (reported as ``internal``)."""
+    if isinstance(exc, SidecarError):
+        return exc.code
+    for cls, code in _CORE_CODES.items():
+        if isinstance(exc, cls):
+            return code
+    return None

@@ -1,0 +1,177 @@
+"""The real process: ``toktier serve`` / ``python -m sidecar.cli``, systemd
+readiness (NOTIFY_SOCKET), socket activation (LISTEN_FDS), SIGTERM graceful shutdown."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sidecar.cli import build_parser, load_config
+from sidecar_raw import Raw
+from toktier.corpus import large_text
+from toktier_client import Client
+from toktier_client import protocol as P
+from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)
+from sidecar_harness import shm_names
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Notify:
+    """A NOTIFY_SOCKET endpoint, as systemd provides for Type=notify services."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+
+    def wait_for(self, state: str, timeout: float = 60) -> list[str]:
+        self.sock.settimeout(timeout)
+        seen: list[str] = []
+        while True:
+            msg = self.sock.recv(4096).decode()
+            seen.append(msg)
+            if state in msg.split("\n"):
+                return seen
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def spawn(args: list[str], env_extra: dict, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=ROOT, **env_extra)
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+
+
+def stop(proc: subprocess.Popen) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err.decode()
+
+
+@pytest.fixture
+def prefix():
+    p = f"ttcli{secrets.token_hex(4)}"
+    yield p
+    assert shm_names(p) == []
+
+
+def test_serve_notify_and_sigterm(tmp_path, prefix, llama3):
+    sock_path = str(tmp_path / "t.sock")
+    notify = Notify(str(tmp_path / "notify"))
+    proc = spawn([sys.executable, "-m", "toktier", "serve", "--socket", sock_path, "--shm-prefix", prefix,
+                  "--log-level", "WARNING"], {"NOTIFY_SOCKET": notify.path})
+    try:
+        notify.wait_for("READY=1")
+        with Client(sock_path) as c:
+            assert c.welcome.default_tokenizer == "llama3"  # the bundled default
+            s = c.session("cli", text="Hello")
+            r = s.append(" from the CLI")
+            assert np.array_equal(r.ids, llama3.encode("Hello from the CLI"))
+            assert len(shm_names(prefix)) == 1
+            rc, err = stop(proc)
+        assert rc == 0, err
+        notify.wait_for("STOPPING=1", timeout=5)
+        assert not os.path.exists(sock_path)  # we created it, we removed it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+
+
+def test_sigterm_finishes_inflight_requests(tmp_path, prefix, llama3):
+    sock_path = str(tmp_path / "t.sock")
+    notify = Notify(str(tmp_path / "notify"))
+    proc = spawn([sys.executable, "-m", "sidecar.cli", "--socket", sock_path, "--shm-prefix", prefix,
+                  "--log-level", "WARNING"], {"NOTIFY_SOCKET": notify.path})
+    try:
+        notify.wait_for("READY=1")
+        big = large_text(1_000_000, seed=11)
+        raw = Raw(sock_path)
+        raw.send(P.encode_frame(P.Open(id=1, session="inflight", text=big)))
+        with Client(sock_path) as c:
+            for _ in range(100_000):  # until the Open is seen in flight (bounded: never hang)
+                if c.stats().inflight:
+                    break
+        proc.send_signal(signal.SIGTERM)
+        replies = raw.replies()  # until the server closes the connection
+        assert isinstance(replies[0], P.Ids) and replies[0].count == len(llama3.encode(big))
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+
+
+def test_socket_activation(tmp_path, prefix, llama3):
+    sock_path = str(tmp_path / "activated.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(16)
+    notify = Notify(str(tmp_path / "notify"))
+    # systemd sets LISTEN_PID to the service's pid; `exec` keeps the shell's pid for python.
+    script = f'exec 3<&0 0</dev/null; LISTEN_PID=$$ LISTEN_FDS=1 exec "{sys.executable}" -m sidecar.cli ' \
+             f'--socket {sock_path} --shm-prefix {prefix} --log-level WARNING'
+    proc = spawn(["/bin/sh", "-c", script], {"NOTIFY_SOCKET": notify.path}, stdin=listener.fileno())
+    listener.close()  # only the child holds it now
+    try:
+        notify.wait_for("READY=1")
+        with Client(sock_path) as c:
+            r = c.session("act", text="socket activated").last
+            assert np.array_equal(r.ids, llama3.encode("socket activated"))
+        rc, err = stop(proc)
+        assert rc == 0, err
+        assert os.path.exists(sock_path)  # systemd owns the socket file, the service leaves it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+
+
+def test_refuses_a_live_socket_and_replaces_a_stale_one(tmp_path, sidecar):
+    from sidecar.listen import bind_unix_socket
+    with pytest.raises(FileExistsError):
+        bind_unix_socket(sidecar.path, None)
+    stale = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(stale)
+    s.close()  # file left behind, nobody listening
+    bind_unix_socket(stale, None).close()
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(FileExistsError):
+        bind_unix_socket(str(tmp_path / "plain"), None)
+
+
+def test_config_file_and_flags(tmp_path):
+    cfg = tmp_path / "toktier.toml"
+    cfg.write_text('tokenizers = ["cl100k_base", "llama3"]\nsession_ttl = 60.0\nallowed_uids = [0, 1000]\n'
+                   'memory_budget = 1048576\nshm_prefix = "fromfile"\n')
+    args = build_parser().parse_args(["--config", str(cfg), "--shm-prefix", "fromflag", "--memory-budget", "2G",
+                                      "--max-session-chars", "1000"])
+    c = load_config(args)
+    assert c.tokenizers == ("cl100k_base", "llama3") and c.session_ttl == 60.0
+    assert c.allowed_uids == frozenset({0, 1000}) and c.shm_prefix == "fromflag"
+    assert c.memory_budget == 2 << 30 and c.max_session_chars == 1000 and c.max_frame == 4000 + 65536
+    bad = tmp_path / "bad.toml"
+    bad.write_text("no_such_option = 1\n")
+    with pytest.raises(SystemExit):
+        load_config(build_parser().parse_args(["--config", str(bad)]))
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_units_verify():
+    units = os.path.join(ROOT, "sidecar", "systemd")
+    out = subprocess.run(["systemd-analyze", "verify", "toktier.socket", "toktier.service"], cwd=units,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    service = open(os.path.join(units, "toktier.service")).read()
+    assert "Type=notify" in service and "toktier serve" in service and "KillSignal=SIGTERM" in service
+    assert "ListenStream=/run/toktier/toktier.sock" in open(os.path.join(units, "toktier.socket")).read()
