@@ -110,6 +110,11 @@ def test_o200k_harmony_recognizes_chat_literals():
     s = toktier.Session(tok, "word " * 200 + "<|sta")
     s.append("rt|>user<|message|>ok")
     assert np.array_equal(s.ids, tok.encode(s.text))
+    # Two literals share ID 200018; spans through it are verified, results stay exact.
+    assert list(tok.engine.ambiguous_ids) == [200018]
+    for piece in [" <|endofprompt|> next", " words " * 80, "<|reserved_200018|>", " tail " * 80]:
+        s.append(piece)
+        assert np.array_equal(s.ids, tok.encode(s.text))
 
 
 def test_rank_file_path_with_pattern_loads():

@@ -1,4 +1,4 @@
-"""Command line: `toktier demo | serve | tokenizers`."""
+"""Command line: `toktier demo | serve | tokenizers | verify`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
         from sidecar.cli import main as serve_main  # the sidecar owns all I/O
 
         return int(serve_main(argv[1:]) or 0)
+    if argv and argv[0] == "verify":
+        from .verify import main as verify_main
+
+        return int(verify_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="toktier", description="Exact incremental tokenization")
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="replay a growing session: repair vs. full re-tokenization")
@@ -22,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--kind", default="code", choices=["code", "english", "mixed", "multilingual"])
     sub.add_parser("tokenizers", help="list bundled tokenizers and their families")
     sub.add_parser("serve", help="start the sidecar (see `toktier serve --help`)")
+    sub.add_parser("verify", help="differential campaigns against the reference tokenizers (`toktier verify --help`)")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         from .demo import DemoConfig, run_demo

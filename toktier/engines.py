@@ -105,6 +105,7 @@ class HFEngine:
             a for a in added if not (specials == "none" and a.special)
         )
         self.token_bytes, token_problems = self._token_bytes(added)
+        self.ambiguous_ids = np.zeros(0, dtype=np.uint32)
         self.facts = self._facts(token_problems)
 
     # -- reference encodes -------------------------------------------------
@@ -249,9 +250,16 @@ class TiktokenEngine:
         table: list[bytes] = [b""] * size
         for b, i in mergeable_ranks.items():
             table[i] = b
+        ambiguous: set[int] = set()
         for s, i in special_tokens.items():
+            if table[i] and table[i] != s.encode("utf-8"):
+                # Two texts encode to one ID (o200k_harmony: <|endofprompt|> and
+                # <|reserved_200018|>): keep the first; spans through it are verified.
+                ambiguous.add(i)
+                continue
             table[i] = s.encode("utf-8")
         self.token_bytes = table
+        self.ambiguous_ids = np.array(sorted(ambiguous), dtype=np.uint32)
         self.facts = EngineFacts("tiktoken", "none", (pat_str,), True, ())
 
     def encode(self, text: str) -> np.ndarray:

@@ -257,8 +257,10 @@ class Session:
         del old
         if self._spliceable:
             lens = tok.token_len[ids]
+            exact_check = tok.family_info.nfc or (
+                len(tok.engine.ambiguous_ids) and bool(np.isin(ids, tok.engine.ambiguous_ids).any()))
             if int(lens.sum(dtype=np.int64)) != len(new_text) or (
-                tok.family_info.nfc and b"".join(map(tok.token_bytes.__getitem__, ids.tolist())) != new_text
+                exact_check and b"".join(map(tok.token_bytes.__getitem__, ids.tolist())) != new_text
             ):
                 # Token bytes do not tile the text (e.g. NFC changed it): no splices for this text.
                 self._starts.assign(np.zeros(0, dtype=np.uint32))

@@ -402,9 +402,9 @@ class ShadowVerifier:
                 again = fresh_reference(tok).encode_batch([it.text for it, _ in bad])
                 bad = [(it, exp) for (it, _), exp in zip(bad, again) if not np.array_equal(it.ids, exp)]
             reports = [self._report(it, exp) for it, exp in bad]
-            self._finish(len(items), checked=len(items), mismatches=len(reports), tokenizer=h)
-            for rep in reports:
+            for rep in reports:  # before _finish: drain() returns after the callbacks ran
                 self._on_mismatch(rep)
+            self._finish(len(items), checked=len(items), mismatches=len(reports), tokenizer=h)
 
     def _finish(self, n: int, *, checked: int = 0, mismatches: int = 0, errors: int = 0,
                 tokenizer: str = "") -> None:
