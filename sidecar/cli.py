@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ops carrying at most this many code points run on the event loop (default 16384)")
     p.add_argument("--shm-prefix", help="shared-memory name prefix (default toktier)")
     p.add_argument("--verify-rate", type=float,
-                   help="fraction of results the shadow verifier re-encodes in the background (default 0)")
+                   help="fraction of results the shadow verifier re-encodes in the background (default 0.01; 0 = off)")
+    p.add_argument("--verify-disable-on-mismatch", action="store_true", default=None,
+                   help="on a confirmed mismatch, serve that tokenizer by full tokenization until SIGHUP")
     p.add_argument("--log-level", default="INFO")
     return p
 

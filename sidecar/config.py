@@ -64,7 +64,10 @@ class ServerConfig:
     #: Fraction of served results re-encoded by the shadow verifier (0 = off).  Sampling a
     #: session result materializes its text and copies its IDs (O(N), on the loop thread),
     #: so keep it small for long sessions.
-    verify_rate: float = 0.0
+    verify_rate: float = 0.01
+    #: On a confirmed mismatch, send every session of that tokenizer down the full path
+    #: until an operator re-enables it (SIGHUP re-enables all tokenizers).
+    verify_disable_on_mismatch: bool = False
     #: Seconds to let in-flight requests finish on SIGTERM.
     shutdown_grace: float = 10.0
 

@@ -153,7 +153,9 @@ class Sidecar:
             # verifier checks every offer, with private cache-less references (no GIL-heavy
             # per-batch rebuilds in a latency-critical process).
             self.verifier = ShadowVerifier(self.service.registry.get, rate=1.0, fresh="nocache",
-                                           metrics=self.metrics.registry)
+                                           metrics=self.metrics.registry,
+                                           disable_on_mismatch=config.verify_disable_on_mismatch)
+            self.service.fast_path_disabled = self.verifier.is_disabled
         self._sample = random.Random()
         self.install_signals = install_signals
         self.lanes = Lanes()
@@ -215,6 +217,7 @@ class Sidecar:
         if self.install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(signal.SIGHUP, self.reenable_fast_paths)
         self._spawn(self._sweeper())
         sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket_path}")
         log.info("serving on %s (default tokenizer %s)", cfg.socket_path, self.service.default_tokenizer)
@@ -377,6 +380,14 @@ class Sidecar:
             if slot is not None:
                 self.verifier.offer(slot.tokenizer.hash, slot.session.text, slot.session.ids,
                                     context={"session": str(key[1])[:64], "seq": reply.seq})
+
+    def reenable_fast_paths(self) -> None:
+        """Operator action (SIGHUP): re-enable every tokenizer the verifier disabled."""
+        if self.verifier is None:
+            return
+        for tok in self.service.registry:
+            if self.verifier.reenable(tok.hash):
+                log.warning("fast path re-enabled for tokenizer %s (%s)", tok.name, tok.hash[:12])
 
     def _sampled(self) -> bool:
         return self._sample.random() < self.config.verify_rate

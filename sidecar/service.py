@@ -87,6 +87,8 @@ class SessionService:
             on_end=self._ended,
         )
         self.bundled = frozenset(toktier.list_tokenizers())
+        # Set by the server when the shadow verifier may disable a tokenizer's fast path.
+        self.fast_path_disabled: Callable[[str], bool] = lambda tokenizer_hash: False
         self.started = time.monotonic()
         self.default_tokenizer = ""
 
@@ -181,6 +183,7 @@ class SessionService:
     def run_op(self, slot: Slot, req: P.Append | P.Edit | P.Sync) -> Outcome:
         """Any thread (the lane guarantees exclusivity): apply the op, publish the segment."""
         s = slot.session
+        s.fast_path = not self.fast_path_disabled(slot.tokenizer.hash)
         if isinstance(req, P.Append):
             r = s.append(req.text)
         elif isinstance(req, P.Edit):
@@ -208,6 +211,7 @@ class SessionService:
         return slot
 
     def run_open_existing(self, slot: Slot, req: P.Open) -> Outcome:
+        slot.session.fast_path = not self.fast_path_disabled(slot.tokenizer.hash)
         return self._publish(slot, slot.session.sync(req.text))
 
     def run_create(self, tok: toktier.FrozenTokenizer, req: P.Open) -> tuple[Slot, Outcome]:

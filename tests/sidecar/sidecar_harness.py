@@ -107,6 +107,7 @@ def make_config(tmp_path, **overrides) -> ServerConfig:
         shm_prefix=f"tttest{secrets.token_hex(4)}",
         workers=2,
         sweep_interval=3600.0,
+        verify_rate=0.0,  # tests that exercise the verifier turn it on explicitly
     )
     return replace(base, **overrides)
 

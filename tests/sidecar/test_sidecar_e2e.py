@@ -297,3 +297,35 @@ def test_shadow_verifier_checks_served_results(start_sidecar, llama3):
         assert (st.verified, st.mismatches) == (5, 0)
     body = urllib.request.urlopen(f"http://127.0.0.1:{sc.sidecar.metrics_port}/metrics", timeout=5).read().decode()
     assert "toktier_shadow_checked_total" in body
+
+
+def test_verifier_mismatch_disables_fast_path_until_reenabled(start_sidecar, llama3, monkeypatch):
+    """A corrupted fast-path result is caught, the tokenizer goes to the full path, SIGHUP's
+    handler re-enables it; every later result is exact."""
+    import toktier.session as ts
+
+    corrupt = {"on": False}
+    original = ts.Session._commit
+
+    def faulty_commit(self, *a, **k):
+        r = original(self, *a, **k)
+        if corrupt["on"]:
+            self._ids.view()[-1] ^= 1  # a silent wrong ID in the served result
+        return r
+
+    monkeypatch.setattr(ts.Session, "_commit", faulty_commit)
+    sc = start_sidecar(verify_rate=1.0, verify_disable_on_mismatch=True)
+    with Client(sc.path) as c:
+        s = c.session("m", text="word " * 300)
+        corrupt["on"] = True
+        s.append(" x")
+        corrupt["on"] = False
+        assert sc.sidecar.verifier.drain(30) is True
+        assert sc.sidecar.verifier.is_disabled(llama3.hash)
+        r = s.append(" y")
+        assert r.path == "full" and np.array_equal(r.ids, llama3.encode("word " * 300 + " x y"))
+        sc.sidecar.reenable_fast_paths()
+        r = s.append(" z")
+        assert r.path == "first_window" and np.array_equal(r.ids, llama3.encode("word " * 300 + " x y z"))
+        assert sc.sidecar.verifier.drain(30) is True
+        assert c.stats().mismatches == 1
