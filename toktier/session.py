@@ -255,7 +255,9 @@ class Session:
         diff = np.flatnonzero(old[:m] != ids[:m])
         first_changed = int(diff[0]) if len(diff) else (m if len(old) != len(ids) else len(ids))
         del old
+        self._ids.reserve(len(ids))  # allocate before mutating anything
         if self._spliceable:
+            self._starts.reserve(len(ids))
             lens = tok.token_len[ids]
             exact_check = tok.family_info.nfc or (
                 len(tok.engine.ambiguous_ids) and bool(np.isin(ids, tok.engine.ambiguous_ids).any()))
@@ -384,6 +386,10 @@ class Session:
                 mid: np.ndarray, mid_starts: np.ndarray, delta: int, widenings: int) -> OpResult:
         k1, k2 = left.cached_idx, right.cached_idx
         old_seg = self._ids.view()[k1:k2].copy()
+        # Allocate before mutating anything: a failed allocation leaves the session intact.
+        new_n = self._ids.n - (k2 - k1) + len(mid)
+        self._ids.reserve(new_n)
+        self._starts.reserve(new_n)
         self._ids.replace(k1, k2, mid)
         self._starts.replace(k1, k2, mid_starts.astype(np.uint32), tail_add=delta)
         first_changed = _first_difference(self._ids.view(), k1, old_seg, len(mid))
