@@ -61,9 +61,12 @@ o200k / gpt-oss
 
 DeepSeek (V3/V4: three Split stages, each applied inside the previous pieces)
     1. ``\p{N}{1,3}``: every digit is matched; gaps contain no digit -> C, D hold.
-    2. ``[一-龥぀-ゟ゠-ヿ]+``: runs of K are isolated pieces.  K contains
-       non-letters (e.g. U+30FB, U+309B), so a K->K pair is never a boundary:
-       **rule B excludes x, y both in K** (the family-specific exclusion).
+    2. ``[一-龥぀-ゟ゠-ヿ]+``: runs of K are isolated, so K|non-K edges are always
+       boundaries; stage 3 then splits inside a run (``文・`` -> ``文``, ``・``).  K
+       contains non-letters (e.g. U+30FB, U+309B) that stage 3 treats as
+       punctuation, and a K run is cut off from its neighbours, so the stage-3
+       argument for rule B does not carry over unchanged inside runs: **rule B
+       excludes x, y both in K** (the family-specific exclusion; conservative).
     3. =============================================  ==========================
        alternative                                    adjacent pairs
        =============================================  ==========================

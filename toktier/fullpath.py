@@ -30,6 +30,9 @@ class FullPathConfig:
     # this size even a one-piece encode goes through the batch API, so a server
     # thread doing a session start never freezes the event loop.
     min_gil_free_chars: int = 16_384
+    # Try the GPU path first (toktier.gpu.router); it declines without a device, for
+    # small texts and unsupported families, and under back-pressure.
+    use_gpu: bool = True
 
 
 def chunk_cuts(tok: FrozenTokenizer, text: str, chunk_chars: int) -> list[int]:
@@ -71,7 +74,14 @@ def _byte_offsets(s: str) -> tuple[None, np.ndarray]:
 
 
 def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathConfig()) -> np.ndarray:
-    """Exactly `tok.encode(text)`, in parallel chunks when the text is large enough."""
+    """Exactly `tok.encode(text)`: on the GPU when one takes it, else in parallel chunks
+    when the text is large enough, else one reference encode."""
+    if cfg.use_gpu:
+        from .gpu.router import try_gpu  # never calls encode_full: no recursion
+
+        ids = try_gpu(tok, text)
+        if ids is not None:
+            return ids
     cuts = chunk_cuts(tok, text, cfg.chunk_chars) if len(text) >= cfg.min_parallel_chars else []
     if not cuts:
         if len(text) < cfg.min_gil_free_chars:

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One GPU session's check of the GPU full path: install, build, exactness suite, latency, GB/s.
+# About 5 minutes on an H200 with CuPy, up to 8 with the pycuda build (each step has a timeout).  Prepare the carried folder first (bench/gpu_prepare.sh), then on
+# the GPU machine, from the repo root:
+#
+#     bash bench/gpu_check.sh [.gpucarry]
+#
+# Steps (each bounded by `timeout`, so one slow step cannot eat the session):
+#   1. install the carried wheels into /tmp/site (no index, no network);
+#   2. build pycuda from its sdist if carried (<= 4 min; TOKTIER_SKIP_PYCUDA=1 skips it; without
+#      pycuda the image's CuPy drives the same kernels, cubin and launch sequence);
+#   3. nvcc -cubin cuda_src/toktier.cu for this GPU's architecture;
+#   4. tests/test_gpu_device.py (-m gpu): IDs and spans == the reference for every family,
+#      on real multilingual text (1M characters too), literals, adversarial text;
+#   5. bench/gpu_bench.py: single-request latency at 1K, 100K, 1M, 4M characters and bulk GB/s.
+# Results also land in $OUT (log, gpu_bench.json) when $OUT is set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+C=${1:-.gpucarry}
+OUTDIR=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUTDIR" /tmp/site
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+step() { echo; echo "== [$(( $(date +%s) - T0 ))s] $*"; }
+
+step "machine"
+nvidia-smi -L || true
+nvcc --version | tail -1 || true
+$PY --version
+
+step "wheels"
+if compgen -G "$C/wheels/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$C"/wheels/*.whl \
+    || echo "wheel install failed"
+fi
+export PYTHONPATH=/tmp/site:$PWD/$C/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+[[ -d "$C/data" ]] && export TOKTIER_DATA_DIR=$PWD/$C/data
+export TOKTIER_CACHE_DIR=/tmp/toktier-cache
+
+step "pycuda"
+if [[ -n "${TOKTIER_SKIP_PYCUDA:-}" ]]; then
+  echo "TOKTIER_SKIP_PYCUDA set: using CuPy"
+elif $PY -c "import pycuda.driver" 2>/dev/null; then
+  echo "pycuda present"
+elif compgen -G "$C/sdist/pycuda-*.tar.gz" >/dev/null; then
+  timeout 240 $PY -m pip install -q --no-index --no-build-isolation --no-deps --target /tmp/site "$C"/sdist/pycuda-*.tar.gz \
+    && echo "pycuda built" || echo "pycuda build failed: using CuPy"
+else
+  echo "no pycuda sdist carried: using CuPy"
+fi
+if ! $PY -c "from toktier.gpu import driver as d; n, why = d._probe(); print('backend probe:', n, why); raise SystemExit(n is None)"; then
+  echo "no GPU backend (pycuda or CuPy with a device): nothing to check"; exit 3
+fi
+
+step "cubin"
+export TOKTIER_CUBIN=$($PY - <<'PY'
+from toktier.gpu import driver as d
+name, why = d._probe()
+if name == "cupy":
+    import cupy
+    arch = "sm_" + cupy.cuda.Device().compute_capability
+else:
+    import pycuda.driver as cuda
+    cuda.init()
+    mj, mn = cuda.Device(0).compute_capability()
+    arch = f"sm_{mj}{mn}"
+print(d.build_cubin(arch))
+PY
+)
+echo "TOKTIER_CUBIN=$TOKTIER_CUBIN"
+[[ -n "$TOKTIER_CUBIN" ]] || { echo "cubin build failed"; exit 4; }
+
+step "exactness suite (tests/test_gpu_device.py)"
+timeout 300 $PY -m pytest tests/test_gpu_device.py -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_tests.log"
+TEST_RC=${PIPESTATUS[0]}
+
+step "latency and throughput (bench/gpu_bench.py)"
+OUT=$OUTDIR timeout 200 $PY bench/gpu_bench.py 2>&1 | tee "$OUTDIR/gpu_bench.log"
+BENCH_RC=${PIPESTATUS[0]}
+
+step "done: tests rc=$TEST_RC bench rc=$BENCH_RC"
+[[ $TEST_RC -eq 0 && $BENCH_RC -eq 0 ]]

@@ -1,0 +1,71 @@
+"""The CUDA kernels compile cleanly (no GPU needed): nvcc -cubin for sm_90 and sm_80.
+
+Warnings are errors: ``--Werror all-warnings`` (nvcc front end), ``-Xptxas -Werror``
+(ptxas) and ``-Xcompiler -Wall,-Wextra`` for the host side.  Register spills are not
+warnings here (``-warn-spills`` is off): the warp and block BPE kernels may spill a
+few bytes on sm_80, which costs speed, not correctness.
+
+Also checks that every kernel the driver launches exists in the cubin, and that the
+driver's struct packing matches the header's static_asserts.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from toktier.gpu import driver
+
+NVCC = shutil.which("nvcc") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
+SRC = driver.CUDA_SRC / driver.MAIN_SOURCE
+FLAGS = ["--Werror", "all-warnings", "-Xptxas", "-Werror", "-Xcompiler", "-Wall,-Wextra", "-O3", "--std=c++17"]
+
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+
+
+@pytest.fixture(scope="module", params=["sm_90", "sm_80"])
+def cubin(request, tmp_path_factory) -> bytes:
+    if NVCC is None:
+        pytest.skip("nvcc not found")
+    out = tmp_path_factory.mktemp("cubin") / f"toktier_{request.param}.cubin"
+    proc = subprocess.run([NVCC, f"-arch={request.param}", "-cubin", "-o", str(out), str(SRC), *FLAGS],
+                          capture_output=True, text=True, cwd=str(driver.CUDA_SRC), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in (proc.stdout + proc.stderr).lower(), proc.stdout + proc.stderr
+    return out.read_bytes()
+
+
+def _kernel_names(cubin: bytes) -> set[str]:
+    return {m.decode() for m in re.findall(rb"\.text\.([A-Za-z0-9_]+)\x00", cubin)}
+
+
+class _FakeBucket:
+    cap = 1 << 16
+    cap_lits = (1 << 15) + 1
+    struct = 1
+    arrays = {k: 1 for k in ["meta", "aggs", "cidx", *[f"S{i}" for i in range(driver.NSCRATCH)]]}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("rules", ["cl100k_hf", "cl100k_tt", "qwen", "o200k", "deepseek"])
+def test_driver_launches_only_existing_kernels(cubin, rules):
+    tk = driver._Tok(rules=rules, arrays={}, struct=1, literal_re=None, literal_ids={})
+    launches = driver.GpuDriver._launches(None, _FakeBucket(), tk)  # type: ignore[arg-type]
+    names = {name for name, *_ in launches}
+    missing = names - _kernel_names(cubin)
+    assert not missing, f"driver launches kernels the cubin lacks: {sorted(missing)}"
+
+
+def test_struct_layout_matches_header():
+    hdr = (driver.CUDA_SRC / "tt_common.cuh").read_text()
+    bufs = int(re.search(r"sizeof\(TTBufs\) == (\d+) \* 8", hdr).group(1))
+    tabs = int(re.search(r"sizeof\(TTTables\) == (\d+) \* 8", hdr).group(1))
+    assert bufs == len(driver._BUF_FIELDS)
+    assert tabs == 13
+    assert f"#define TT_NSCRATCH {driver.NSCRATCH}" in hdr
+    for name, slot in driver.META.items():
+        assert re.search(rf"#define TT_META_{name} {slot}\b", hdr), name
