@@ -82,7 +82,11 @@ def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathC
         ids = try_gpu(tok, text)
         if ids is not None:
             return ids
-    cuts = chunk_cuts(tok, text, cfg.chunk_chars) if len(text) >= cfg.min_parallel_chars else []
+    # tiktoken's batch API is a Python thread pool over an encode that already releases
+    # the GIL; on these machines it never beat one encode (bench/full_path.py), so only
+    # HF engines are chunked.
+    chunked = tok.engine.engine_name == "tokenizers" and len(text) >= cfg.min_parallel_chars
+    cuts = chunk_cuts(tok, text, cfg.chunk_chars) if chunked else []
     if not cuts:
         if len(text) < cfg.min_gil_free_chars:
             return tok.encode(text)
