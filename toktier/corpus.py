@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "ADVERSARIAL_ATOMS",
     "CATEGORIES",
     "CHAT_FAMILIES",
     "LARGE_KINDS",
@@ -35,6 +36,28 @@ __all__ = [
     "large_text",
     "samples",
 ]
+
+# Adversarial atoms for generated text, chosen to sit on every boundary rule of every
+# family (digit runs, whitespace kinds incl. CR|LF, contractions, case changes, marks and
+# NFC pairs, kana with DeepSeek's in-class punctuation, emoji sequences, controls, and
+# added-token literals, overlapping literals and their fragments).  Used by the tests and
+# by `toktier verify --adversarial`.
+ADVERSARIAL_ATOMS = (
+    "a", "b", "Z", "Q", "é", "ß", "Ω", "ж", "Я", "م", "ر", "\u064e", "\u0651", "中", "文", "あ", "ア",
+    "・", "ー", "゛", "\u3099", "한", "ǅ", "ʰ",
+    "e\u0301", "\u0301", "\u0327", "A\u030a", "\u1100\u1161", "\u11a8", "Å",
+    "0", "1", "7", "9", "١", "٣", "０", "½", "²", "Ⅻ", "12345",
+    " ", "  ", "\t", "\n", "\r", "\r\n", "\n\n", "\u00a0", "\u3000", "\u2028", "\x0b", "\x0c", "\x85",
+    "'", "'s", "'S", "'ll", "'VE", "'d", "\"", "/", ".", ",", "!", "?", "-", "_", "(", ")", "{", "}",
+    "<", ">", "|", "=", "#", "$", "。", "，", "、", "？", "«", "—", "…", "€", "©", "+", "*",
+    "Hello", "hello", "WORLD", "camelCase", "HTTPServer", "def", "self.x", "0x1F", "ID", "iPhone",
+    "😀", "👨\u200d👩\u200d👧", "\u200d", "\ufe0f", "🇺🇸", "👍🏽",
+    "\x00", "\x1f", "\x7f",
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|", "|>", "<|im_",
+    "start|>", "<|begin_of_text|>", "<|eot_id|>", "<｜User｜>", "<｜Assistant｜>", "<｜", "｜>",
+    "<tool_call>", "<|endofprompt|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+    "<|endoftext|><|endoftext|>", "<|im_start|>user\n", "<|fim_prefix|>",
+)
 
 CATEGORIES = ("code", "english", "cjk", "arabic", "cyrillic", "emoji", "crlf", "json", "logs", "mixed")
 LARGE_KINDS = ("code", "english", "mixed", "multilingual")

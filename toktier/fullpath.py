@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .boundaries import char_byte_offsets
 from .registry import FrozenTokenizer
 
 _SEARCH = 2048  # characters searched after each target offset for a cut
@@ -55,7 +56,7 @@ def chunk_cuts(tok: FrozenTokenizer, text: str, chunk_chars: int) -> list[int]:
             base = max(0, lo - reach)
             seg = text[base : min(len(text), lo + _SEARCH + reach)]
             crossed = tok.literals.crossed(seg.encode("utf-8"))
-            _, offs = _byte_offsets(seg)
+            _, offs = char_byte_offsets(seg)
             cand = cand[~crossed[offs[cand - base]]]
         if len(cand):
             cuts.append(int(cand[0]))
@@ -63,14 +64,6 @@ def chunk_cuts(tok: FrozenTokenizer, text: str, chunk_chars: int) -> list[int]:
         else:
             target += _SEARCH  # no cut here: the chunk grows
     return cuts
-
-
-def _byte_offsets(s: str) -> tuple[None, np.ndarray]:
-    cps = np.frombuffer(s.encode("utf-32-le"), dtype="<u4")
-    clen = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-    offs = np.zeros(len(cps) + 1, dtype=np.int64)
-    np.cumsum(clen, out=offs[1:])
-    return None, offs
 
 
 def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathConfig()) -> np.ndarray:

@@ -60,6 +60,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .corpus import ADVERSARIAL_ATOMS
+
 LEVELS = ("pieces", "ids-full", "ids-repair", "host", "gpu")
 DEFAULT_LEVELS = ("pieces", "ids-full", "ids-repair")
 MUTATIONS = ("punct-letter", "space-letter", "letter-apostrophe", "any")
@@ -71,26 +73,7 @@ _FULL_CHUNKS = (512, 4096)
 _ADVERSARIAL_PER_UNIT = 500
 _REPAIR_SIZES = (1, 2, 5, 40, 300, 1400)
 
-# Atoms of the adversarial generator: every rule of every family (digit runs,
-# whitespace kinds, contractions, case changes, marks and NFC pairs, kana and
-# DeepSeek's in-class punctuation, emoji sequences, controls, added-token
-# literals, overlapping literals and their fragments).
-ATOMS = (
-    "a", "b", "Z", "Q", "é", "ß", "Ω", "ж", "Я", "م", "ر", "\u064e", "\u0651", "中", "文", "あ", "ア",
-    "・", "ー", "゛", "\u3099", "한", "ǅ", "ʰ",
-    "e\u0301", "\u0301", "\u0327", "A\u030a", "\u1100\u1161", "\u11a8", "Å",
-    "0", "1", "7", "9", "١", "٣", "０", "½", "²", "Ⅻ", "12345",
-    " ", "  ", "\t", "\n", "\r", "\r\n", "\n\n", "\u00a0", "\u3000", "\u2028", "\x0b", "\x0c", "\x85",
-    "'", "'s", "'S", "'ll", "'VE", "'d", "\"", "/", ".", ",", "!", "?", "-", "_", "(", ")", "{", "}",
-    "<", ">", "|", "=", "#", "$", "。", "，", "、", "？", "«", "—", "…", "€", "©", "+", "*",
-    "Hello", "hello", "WORLD", "camelCase", "HTTPServer", "def", "self.x", "0x1F", "ID", "iPhone",
-    "😀", "👨\u200d👩\u200d👧", "\u200d", "\ufe0f", "🇺🇸", "👍🏽",
-    "\x00", "\x1f", "\x7f",
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|", "|>", "<|im_",
-    "start|>", "<|begin_of_text|>", "<|eot_id|>", "<｜User｜>", "<｜Assistant｜>", "<｜", "｜>",
-    "<tool_call>", "<|endofprompt|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>",
-    "<|endoftext|><|endoftext|>", "<|im_start|>user\n", "<|fim_prefix|>",
-)
+ATOMS = ADVERSARIAL_ATOMS  # the adversarial generator's alphabet (see toktier.corpus)
 
 
 # ------------------------------------------------------------------------------------------
@@ -166,7 +149,7 @@ def _memo(fn):
 
 @_memo
 def _builtin_samples(seed: int) -> dict[str, str]:
-    from .corpus import samples
+    from .corpus import ADVERSARIAL_ATOMS, samples
 
     return {s.name: s.text for s in samples(seed=seed)}
 
