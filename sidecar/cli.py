@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, help="open sessions before LRU eviction (default 16384)")
     p.add_argument("--max-inflight", type=int, help="unanswered requests per connection")
     p.add_argument("--max-session-chars", type=int)
-    p.add_argument("--window", type=int, help="repair window in bytes (default 512)")
-    p.add_argument("--workers", type=int, help="worker threads for large encodes")
+    p.add_argument("--window", type=int, help="repair window in bytes (default: twice the tokenizer's longest token)")
+    p.add_argument("--workers", type=int, help="threads in each worker pool (bulk: opens and encodes; repair: big changes)")
     p.add_argument("--inline-chars", type=int,
                    help="ops carrying at most this many code points run on the event loop (default 16384)")
     p.add_argument("--shm-prefix", help="shared-memory name prefix (default toktier)")
@@ -93,6 +93,9 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
     unknown = set(values) - {f.name for f in dataclasses.fields(ServerConfig)}
     if unknown:
         raise SystemExit(f"unknown config keys: {', '.join(sorted(unknown))}")
+    window = int(values.get("window", 0))  # type: ignore[arg-type]
+    if window and window < 16:
+        raise SystemExit(f"window must be 0 (the session default) or at least 16 bytes, not {window}")
     if "max_session_chars" in values and "max_frame" not in values:
         values["max_frame"] = 4 * int(values["max_session_chars"]) + 64 * 1024  # type: ignore[arg-type]
     return ServerConfig(**values)  # type: ignore[arg-type]

@@ -44,10 +44,12 @@ class ServerConfig:
     session_ttl: float = DEFAULT_TTL
     #: Seconds between TTL sweeps (lookups also check the TTL).
     sweep_interval: float = 30.0
-    window: int = 512
+    #: Repair window in bytes; 0 = the session default (twice the longest token).
+    window: int = 0
     #: Ops whose text is at most this many code points run on the event loop (a
     #: repair window costs well under a millisecond); larger ones go to a worker.
     inline_chars: int = 16 * 1024
+    #: Threads in each of the two pools (bulk: opens/encodes; repair: big changes).
     workers: int = field(default_factory=lambda: max(2, os.cpu_count() or 2))
     #: Peer uids/gids admitted (SO_PEERCRED).  Empty uids means "the server's own uid".
     allowed_uids: frozenset[int] = frozenset()

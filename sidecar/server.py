@@ -9,11 +9,11 @@ logic in :mod:`sidecar.service`, shared memory in :mod:`sidecar.shm`, ordering i
 * An op carrying little text (``inline_chars``) runs right on the event loop when
   its lane is idle: a repair costs about a millisecond and a thread hop costs
   more than the rest of the sidecar's overhead (measured: +0.7 ms P50).
-* Opens with big text, big syncs/edits/appends and every stateless encode run in
-  a thread pool.  Stateless encodes use ``encode_batch``, which releases the GIL,
-  so the loop keeps serving meanwhile.  (The core's full path uses HF ``encode``,
-  which holds the GIL: a 1M-character open stalls the loop until the core routes
-  full encodes through ``encode_batch`` too.)
+* Big ops run in two thread pools: *bulk* (opens with text, stateless encodes,
+  tokenizer loads: whole-context work, 0.1-1 s at 1M characters) and *repair*
+  (big appends, edits and syncs on an existing session).  An append never waits
+  for a thread that a session start holds; the core's encodes release the GIL,
+  so the loop keeps serving meanwhile.
 * Every admitted request gets exactly one reply frame; limits answer with typed
   errors; a misbehaving peer gets an error frame and a lingering close.
 
@@ -164,7 +164,8 @@ class Sidecar:
         self.welcome: P.Welcome | None = None
         self.metrics_port: int | None = None
         self._cids = itertools.count(1)
-        self._executor: ThreadPoolExecutor | None = None
+        self._bulk: ThreadPoolExecutor | None = None  # whole-context work
+        self._repair: ThreadPoolExecutor | None = None  # changes to existing sessions
         self._server: asyncio.AbstractServer | None = None
         self._owns_socket_file = False
         self._stop = asyncio.Event()
@@ -192,8 +193,9 @@ class Sidecar:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
-        self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-worker")
-        await loop.run_in_executor(self._executor, self.service.preload)
+        self._bulk = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-bulk")
+        self._repair = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-repair")
+        await loop.run_in_executor(self._bulk, self.service.preload)
         self.welcome = P.Welcome(
             version=P.PROTOCOL_VERSION, server=f"toktier-sidecar/{toktier.__version__}", max_frame=cfg.max_frame,
             max_session_chars=cfg.max_session_chars, max_inflight=cfg.max_inflight,
@@ -242,8 +244,9 @@ class Sidecar:
                 peer.transport.close()
             for task in list(self._background):
                 task.cancel()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
+            for pool in (self._bulk, self._repair):
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
             if self.verifier is not None:
                 self.verifier.close()
             self.metrics.stop()
@@ -348,7 +351,7 @@ class Sidecar:
             tok = await self._tokenizer(req.tokenizer, req.specials) if isinstance(req, P.Open) else None
             plan = self.service.plan(key, req, tok)
             try:
-                result = await self._work(plan)
+                result = await self._work(plan, self._bulk if isinstance(req, P.Open) else self._repair)
             except BaseException as exc:
                 plan.failed(exc)
                 raise
@@ -360,10 +363,10 @@ class Sidecar:
         finally:
             self._leave()
 
-    async def _work(self, plan: Plan) -> object:
+    async def _work(self, plan: Plan, pool: ThreadPoolExecutor | None) -> object:
         if plan.text_chars <= self.config.inline_chars:
             return plan.work()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, plan.work)
+        return await asyncio.get_running_loop().run_in_executor(pool, plan.work)
 
     def _succeed(self, peer: _Peer, key: Hashable, req: P._Msg, reply: P._Msg, t0: float) -> None:
         if isinstance(req, P.Open) and req.bind_to_connection:
@@ -411,7 +414,7 @@ class Sidecar:
         fut = self._loads.get(k)
         if fut is None:
             loop = asyncio.get_running_loop()
-            fut = self._loads[k] = loop.run_in_executor(self._executor, self.service.load_tokenizer, name, specials)
+            fut = self._loads[k] = loop.run_in_executor(self._bulk, self.service.load_tokenizer, name, specials)
             fut.add_done_callback(lambda _f: self._loads.pop(k, None))
         return await asyncio.shield(fut)
 
@@ -423,8 +426,7 @@ class Sidecar:
                 raise Overloaded(f"{len(peer.handoffs)} encode results not released (limit "
                                  f"{self.config.max_handoffs}); send Release after mapping")
             tok = await self._tokenizer(req.tokenizer, req.specials)
-            seg = await asyncio.get_running_loop().run_in_executor(self._executor, self.service.run_encode, tok,
-                                                                   req.text)
+            seg = await asyncio.get_running_loop().run_in_executor(self._bulk, self.service.run_encode, tok, req.text)
         except Exception as exc:
             self._fail(peer, req, "encode", exc, t0)
             return

@@ -22,6 +22,7 @@ from typing import Callable, Hashable
 import numpy as np
 
 import toktier
+from toktier.fullpath import encode_full
 from toktier.store import EndCause, SessionStore
 from toktier_client import protocol as P
 from toktier_client.shm import HEADER_BYTES
@@ -218,7 +219,7 @@ class SessionService:
         """Any thread: build a new session whose IDs live in a fresh segment."""
         arena = self.pool.session_arena()
         try:
-            session = toktier.Session(tok, req.text, window=req.window or self.config.window,
+            session = toktier.Session(tok, req.text, window=req.window or self.config.window or None,
                                       allocator=arena.allocate)
             slot = Slot(session, arena, tok)
             if req.text:
@@ -262,8 +263,8 @@ class SessionService:
 
     # ------------------------------------------------------------- stateless
     def run_encode(self, tok: toktier.FrozenTokenizer, text: str) -> Segment:
-        """Any thread: full reference encode into a handoff segment.  ``encode_batch`` releases the
-        GIL in both engines (HF ``encode`` would hold it for the whole encode)."""
+        """Any thread: full reference encode into a handoff segment (the core's full path:
+        parallel chunks, GIL released)."""
         if len(text) > self.config.max_session_chars:
             raise TooLarge(f"text of {len(text)} code points exceeds the limit of {self.config.max_session_chars}")
         if not text:
@@ -273,7 +274,7 @@ class SessionService:
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise toktier.InvalidText(f"text is not valid Unicode at index {exc.start}") from None
-            ids = tok.encode_batch([text])[0]
+            ids = encode_full(tok, text)
         return self.pool.handoff(ids)
 
     # ------------------------------------------------------------------- misc

@@ -25,6 +25,25 @@ def test_bundled_tokenizers_load_with_their_family(name):
     assert ids.dtype == np.uint32 and len(ids) >= 2
 
 
+@pytest.mark.parametrize("specials", ["all", "none"])
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_encode_fast_returns_the_reference_encode(name, specials):
+    """The repair hot path's offsets-free call gives `encode`'s IDs on real and adversarial text."""
+    import random
+
+    from toktier.corpus import ADVERSARIAL_ATOMS, samples
+
+    tok = get_tokenizer(name, specials)
+    rng = random.Random(7)
+    texts = [s.text[:4000] for s in samples(20_000, seed=1)]
+    texts += ["".join(rng.choice(ADVERSARIAL_ATOMS) for _ in range(rng.randint(1, 60))) for _ in range(200)]
+    texts += ["", " ", "<|endoftext|>", "<|begin_of_text|>x"]
+    for text in texts:
+        fast = tok.encode_fast(text)
+        assert fast.dtype == np.uint32
+        assert fast.tolist() == tok.encode(text).tolist(), text[:200]
+
+
 def test_family_detection_reads_configuration_not_names(tmp_path):
     src = json.loads(open(get_tokenizer("llama3").engine.path, encoding="utf-8").read())
     path = tmp_path / "deepseek_v4.json"  # a misleading name must not matter

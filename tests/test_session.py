@@ -107,13 +107,14 @@ def test_replay_real_multilingual(name, tally):
 
 
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)
-def test_large_appends_up_to_100k(name, tally):
+def test_large_appends_up_to_140k(name, tally):
+    """Large appends splice too; one above the parallel threshold re-tokenizes its window in chunks."""
     tok = get_tokenizer(name)
-    text = large_text(260_000, seed=3, kind="mixed")
+    text = large_text(400_000, seed=3, kind="mixed")
     if tok.family_info is not None and tok.family_info.nfc:
         text = tok.engine.normalize(text)
     ops, pos = [], 0
-    for n in [1, 100_000, 7, 1400, 20_000, 3, 50_000, 1400, 1]:
+    for n in [1, 100_000, 7, 1400, 20_000, 3, 50_000, 1400, 1, 140_000, 2]:
         ops.append(("append", text[pos : pos + n]))
         pos += n
     ops += [("edit", 1000, 50_000, ""), ("edit", 5, 0, text[pos : pos + 30_000])]

@@ -113,6 +113,15 @@ class HFEngine:
         enc = self._tok.encode(text, add_special_tokens=False)
         return np.asarray(enc.ids, dtype=np.uint32)
 
+    def encode_fast(self, text: str) -> np.ndarray:
+        """The same IDs as `encode` through the library's offsets-free pipeline.
+
+        `encode_batch_fast` skips offset tracking (20-40% of a small encode) and
+        releases the GIL; the repair hot path uses it, verification keeps `encode`.
+        """
+        enc = self._tok.encode_batch_fast([text], add_special_tokens=False)[0]
+        return np.asarray(enc.ids, dtype=np.uint32)
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Encode many texts; releases the GIL and runs in parallel inside the engine."""
         encs = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
@@ -266,6 +275,8 @@ class TiktokenEngine:
         if self.specials == "all":
             return self._enc.encode_to_numpy(text, allowed_special="all").astype(np.uint32, copy=False)
         return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
+
+    encode_fast = encode  # tiktoken has no slower offsets-tracking path to skip
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         if self.specials == "all":

@@ -58,6 +58,10 @@ class FrozenTokenizer:
         """The reference full tokenization of `text` (uint32)."""
         return self.engine.encode(text)
 
+    def encode_fast(self, text: str) -> np.ndarray:
+        """`encode`'s IDs through the engine's fastest single-text call (repair hot path)."""
+        return self.engine.encode_fast(text)
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return self.engine.encode_batch(texts)
 

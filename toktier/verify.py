@@ -523,7 +523,7 @@ def _run_ids_repair(tok, texts, whole, rng, opts, res) -> None:
         if len(text) < 2:
             continue
         ops = repair_ops(rng, text, opts.repair_ops)
-        window = rng.choice((64, 512, 512))
+        window = rng.choice((64, 256, 512))
         done, bad, detail = replay_ops(tok, ops, window, rng, opts)
         n += done
         if bad is not None:

@@ -18,7 +18,7 @@ from . import Request
 class TokTierOps:
     kind = "stateful"
     name = "toktier"
-    WINDOW = 512
+    WINDOW = None  # the session default
 
     def __init__(self, tok) -> None:
         self._tok = tok

@@ -177,6 +177,28 @@ def test_large_open_in_worker_while_small_ops_flow(sidecar, llama3):
     asyncio.run(main())
 
 
+def test_big_append_is_not_queued_behind_session_starts(start_sidecar, llama3):
+    """Opens hold the bulk pool; a big append (worker-sized) on another session uses the repair
+    pool, so it is answered while both opens are still running (one thread per pool here)."""
+    sidecar = start_sidecar(workers=1)
+    starts = [large_text(3_000_000, seed=s) for s in (4, 5)]
+    base, extra = large_text(2_000, seed=6), large_text(40_000, seed=7)  # extra > inline_chars
+
+    async def main() -> None:
+        async with AsyncClient(sidecar.path) as c:
+            s = await c.session("agent", tokenizer="llama3", text=base)
+            opens = [asyncio.create_task(c.session(f"start{i}", tokenizer="llama3", text=t))
+                     for i, t in enumerate(starts)]
+            await asyncio.sleep(0.05)  # both opens sent: one runs, one waits for the bulk thread
+            r = await s.append(extra)
+            assert np.array_equal(r.ids, llama3.encode(base + extra))
+            pending = sum(not t.done() for t in opens)
+            for t, text in zip(opens, starts):
+                assert np.array_equal((await t).last.ids, llama3.encode(text))
+            assert pending >= 1, "the append waited for the session starts"
+    asyncio.run(main())
+
+
 def test_open_existing_session_syncs_and_reattaches(sidecar, llama3):
     with Client(sidecar.path) as c1, Client(sidecar.path) as c2:
         a = c1.session("shared", tokenizer="llama3", text="one two three")

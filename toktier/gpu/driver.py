@@ -38,8 +38,23 @@ import numpy as np
 
 from .tables import bpe_tables, class_table, rules_for
 
-CUDA_SRC = Path(os.environ.get("TOKTIER_CUDA_SRC") or Path(__file__).resolve().parents[2] / "cuda_src")
+
+def _cuda_src() -> Path:
+    """Where the kernel sources are: $TOKTIER_CUDA_SRC, the source tree (editable installs), or
+    the copy a wheel installs under ``<prefix>/share/toktier/cuda_src``."""
+    env = os.environ.get("TOKTIER_CUDA_SRC")
+    if env:
+        return Path(env)
+    tree = Path(__file__).resolve().parents[2] / "cuda_src"
+    if (tree / MAIN_SOURCE).exists():
+        return tree
+    import sysconfig
+
+    return Path(sysconfig.get_path("data")) / "share" / "toktier" / "cuda_src"
+
+
 MAIN_SOURCE = "toktier.cu"
+CUDA_SRC = _cuda_src()
 THREADS = 256
 SCAN_TILE = 1024
 NSCRATCH = 24
