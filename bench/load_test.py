@@ -15,7 +15,10 @@ measured from its scheduled arrival, so a slow server cannot slow the offered lo
 arrival takes the next call of an idle agent session.  The sessions and their calls come from the
 calibrated mixture trace (:mod:`bench.traces`); a session whose calls run out is closed and a new
 one starts (a full-context call).  Per level it reports P50/P99 per op type, completions, errors,
-its own CPU use (so it is visibly not the bottleneck) and the sidecar's CPU use.  The ladder of
+its own CPU use (so it is visibly not the bottleneck), the sidecar's CPU use and the slowest
+appends (size and latency: what sets the P99).  A first level of ``warmup_s`` seconds at the start
+rate is run and discarded (fresh sessions, cold caches).  A level stops issuing calls once enough of
+them missed the SLO that its P99 is over it whatever the rest would do.  The ladder of
 rates grows x1.5 until two levels in a row miss P99 < 50 ms on appends, the append P50 itself
 passes 50 ms, or calls are still unanswered after the drain time (saturation).  Capacity = the highest
 offered rate below the first level that misses (append P99 >= 50 ms, an error, or a call unanswered).
@@ -64,7 +67,7 @@ class Mixture:
 MIXTURES = {
     # the calibrated agent mixture, contexts capped at 1M chars to keep setup short
     # (stateless starts low: one full re-tokenization of its larger contexts outlasts the SLO)
-    "agent": Mixture("agent", 24, 350_000, 2_000_000, 1_000_000, stateful_start=5.0, stateless_start=0.5),
+    "agent": Mixture("agent", 24, 350_000, 2_000_000, 1_000_000, stateful_start=10.0, stateless_start=0.5),
     # shorter contexts (median 30K chars), where a stateless front end can meet the SLO at all
     "short": Mixture("short", 24, 30_000, 80_000, 150_000, stateful_start=10.0, stateless_start=2.0),
 }
@@ -138,8 +141,8 @@ async def _worker(args) -> dict:
         agent.pos = 0
         agent.gen += 1
 
-    async def run_op(agent: _Agent) -> str:
-        """Perform the agent's next call; returns its op type."""
+    async def run_op(agent: _Agent) -> tuple[str, int]:
+        """Perform the agent's next call; returns its op type and the characters it carried."""
         if agent.pos >= len(agent.ops):
             if agent.session is not None:
                 await agent.session.close()
@@ -166,7 +169,7 @@ async def _worker(args) -> dict:
                 agent.text = agent.text[:a] + payload + agent.text[b:]
             r = await c.encode(agent.text)
             del r
-        return op
+        return op, len(payload)
 
     # set-up: every agent starts a session (untimed)
     t0 = time.perf_counter()
@@ -178,6 +181,8 @@ async def _worker(args) -> dict:
 
     loop = asyncio.get_running_loop()
     levels = []
+    warmup: dict | None = None
+    warming = args.warmup_s > 0  # a first, discarded level at the start rate
     rate = args.start_rate
     misses = 0
     while rate <= args.max_rate and misses < 2:
@@ -188,6 +193,8 @@ async def _worker(args) -> dict:
         arrivals = []
         t = 0.0
         duration = max(args.duration, args.min_calls / rate)  # enough calls for a percentile at low rates
+        if warming:
+            duration = args.warmup_s
         while True:
             t += rng.expovariate(rate)
             if t >= duration:
@@ -201,6 +208,7 @@ async def _worker(args) -> dict:
         n_max = len(arrivals)
         certain_miss = n_max - math.floor(0.99 * (n_max - 1)) if n_max else 1
         over = 0
+        slowest: list[tuple[float, str, int]] = []  # (ms, op, chars carried) of appends/edits
 
         async def one(sched: float) -> None:
             nonlocal errors, done, waiting, over
@@ -211,12 +219,13 @@ async def _worker(args) -> dict:
                 waiting += 1  # every session busy: queue behind one
             async with ag.lock:
                 try:
-                    op = await run_op(ag)
+                    op, nchars = await run_op(ag)
                     ms = (loop.time() - sched) * 1e3
                     lat.setdefault(op, []).append(ms)
                     done += 1
-                    if op in ("append", "edit") and ms >= SLO_MS:
-                        over += 1
+                    if op in ("append", "edit"):
+                        slowest.append((ms, op, nchars))
+                        over += ms >= SLO_MS
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     errors += 1
                     if errors <= 3:
@@ -259,8 +268,14 @@ async def _worker(args) -> dict:
                "append_p50": float(np.percentile(app, 50)) if app else float("nan"),
                "append_p99": float(np.percentile(app, 99)) if app else float("nan")}
         row["stopped_early"] = len(tasks) < len(arrivals)
+        row["slowest_appends"] = [{"ms": round(ms, 1), "op": op, "chars": n} for ms, op, n in sorted(slowest)[-4:]]
         row["meets_slo"] = (bool(app) and row["append_p99"] < SLO_MS and not pending and not errors
                             and not row["stopped_early"])
+        if warming:
+            warming, warmup = False, row
+            print(f"[loadgen {args.mode}/{args.mixture}] warm-up (discarded): {done} calls at {rate:.1f}/s, append "
+                  f"P99 {row['append_p99']:.2f} ms, slowest {row['slowest_appends']}", file=sys.stderr, flush=True)
+            continue
         levels.append(row)
         print(f"[loadgen {args.mode}/{args.mixture}] rate {rate:8.1f}/s  done {done:5d}/{len(arrivals):<5d} "
               f"{'(stopped: SLO certainly missed) ' if row['stopped_early'] else ''}"
@@ -287,7 +302,8 @@ async def _worker(args) -> dict:
             break
         capacity = lv["rate"]
     ok = [lv["rate"] for lv in levels if lv["meets_slo"]]
-    return {"mode": args.mode, "mixture": dataclasses.asdict(mix), "setup_s": setup_s, "levels": levels,
+    return {"mode": args.mode, "mixture": dataclasses.asdict(mix), "setup_s": setup_s, "warmup": warmup,
+            "levels": levels,
             "capacity": capacity, "best_passing_rate": max(ok) if ok else 0.0, "lowest_rate": args.start_rate,
             "duration_s": args.duration}
 
@@ -317,6 +333,8 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--drain", type=float, default=10.0)
     ap.add_argument("--min-calls", type=int, default=12, help="a level lasts long enough for this many calls")
+    ap.add_argument("--warmup-s", type=float, default=0.0,
+                    help="seconds of a first level at the start rate that is run and discarded")
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sidecar-pid", type=int, default=0)
@@ -351,7 +369,7 @@ def start_sidecar(sock_path: str, prefix: str, tokenizer: str) -> tuple[subproce
 
 
 def run(tokenizer: str = "llama3", mixtures=("agent", "short"), duration: float = 4.0, drain: float = 8.0,
-        out_dir: str | None = None, seed: int = 0, min_calls: int = 12) -> dict:
+        out_dir: str | None = None, seed: int = 0, min_calls: int = 12, warmup_s: float = 5.0) -> dict:
     from bench.traces import family_template
 
     tmp = tempfile.mkdtemp(prefix="toktier-load-")
@@ -372,7 +390,7 @@ def run(tokenizer: str = "llama3", mixtures=("agent", "short"), duration: float 
                 cmd = [sys.executable, "-m", "bench.load_test", "--worker", "--socket", sock_path, "--mode", mode,
                        "--mixture", mixture, "--family", family_template(tokenizer), "--start-rate", str(start),
                        "--duration", str(duration), "--drain", str(drain), "--seed", str(seed),
-                       "--min-calls", str(min_calls),
+                       "--min-calls", str(min_calls), "--warmup-s", str(warmup_s),
                        "--sidecar-pid", str(proc.pid), "--scripts", scripts_path, "--out", out]
                 t0 = time.perf_counter()
                 subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), check=True)

@@ -9,9 +9,10 @@ Steps (each prints its tables as it finishes; progress bars on stderr):
    peer (:mod:`bench.agent_trace`), with divergence counts;
 2. outcomes: the calibrated mixture trace through TokTier (window outcomes, TTL hit shares), and a
    many-appends campaign of the same shape on small contexts (the first-window rate);
-3. memory: a session grown to 500K tokens;
-4. load: the open-loop sidecar load test, stateful vs. stateless (:mod:`bench.load_test`);
-5. figures in ``bench/figures/`` and a goal summary; ``--write-results`` also replaces the
+3. chats: replays of real ShareGPT chats, one append per message (:mod:`bench.real_chats`);
+4. memory: a session grown to 500K tokens;
+5. load: the open-loop sidecar load test, stateful vs. stateless (:mod:`bench.load_test`);
+6. figures in ``bench/figures/`` and a goal summary; ``--write-results`` also replaces the
    "Agent traces (issue 6)" section of ``bench/RESULTS.md`` with the tables of this run.
 
 Results (JSON) and the trace files (JSONL, seeded) go to ``--out`` (default: a temp folder).
@@ -39,23 +40,27 @@ WARM_EXACT = ("fastokens-input-cache", "gigatoken", "fastokens-segment-cache", "
 # calls: per context size in the agent trace; samples: calls per size on which the slow engines are
 # timed; seam_*: plain-text appends; adv_*: adversarial seams; mix_*: mixture replay through TokTier;
 # camp_sessions: the many-appends window-outcome campaign (mixture shape, small contexts);
+# chat_*: replays of real ShareGPT chats (0 conversations = every complete record);
 # load_*: seconds per load level, drain time, minimum calls per level.
 PRESETS = {
     "smoke": {"calls": 6, "samples": 2, "sizes": (100_000, 300_000),
               "seam_calls": 6, "seam_sizes": (300_000,),
               "adv_tokenizers": ("llama3",), "adv_sessions": 3, "adv_calls": 20,
               "mix_sessions": 4, "mix_check": 0.05, "heavy_sessions": 0, "camp_sessions": 3,
+              "chat_conversations": 50, "chat_tokenizers": ("llama3",),
               "load_duration": 1.5, "load_drain": 4.0, "mixtures": ("short",)},
     "quick": {"calls": 30, "samples": 3,
               "seam_calls": 20,
               "adv_tokenizers": ("llama3", "o200k_base", "deepseek_v4"), "adv_sessions": 10, "adv_calls": 40,
               "mix_sessions": 24, "mix_check": 0.02, "heavy_sessions": 0, "camp_sessions": 150,
-              "load_duration": 4.0, "load_drain": 8.0, "load_min_calls": 100},
+              "chat_conversations": 3000, "chat_tokenizers": ("llama3",),
+              "load_duration": 4.0, "load_drain": 8.0, "load_min_calls": 200},
     "full": {"calls": 200, "samples": 10,
              "seam_calls": 200, "seam_sizes": (1_000_000, 2_000_000, 4_000_000),
              "adv_tokenizers": ("llama3", "cl100k_base", "o200k_base", "o200k_harmony", "deepseek_v4", "qwen3"),
              "adv_sessions": 120, "adv_calls": 100,
              "mix_sessions": 300, "mix_check": 0.05, "heavy_sessions": 100, "camp_sessions": 1500,
+             "chat_conversations": 0, "chat_tokenizers": ("llama3", "o200k_base", "deepseek_v4", "qwen3"),
              "load_duration": 15.0, "load_drain": 20.0, "load_min_calls": 200},
 }
 
@@ -132,6 +137,9 @@ def _other_goals(res: dict) -> list[dict]:
         o = (res.get(part) or {}).get("outcomes") or {}
         fw += o.get("first_window", 0)
         total += sum(o.values())
+    for r in res.get("chats") or []:
+        fw += r["outcomes"].get("first_window", 0)
+        total += sum(r["outcomes"].values())
     if total:
         # With k misses in n, a 95% upper bound on the miss rate (rule of three when k = 0).
         bound = 3.0 / total if fw == total else None
@@ -143,6 +151,13 @@ def _other_goals(res: dict) -> list[dict]:
     if o:
         out.append({"goal": "zero divergences for TokTier (mixture replay, checked states)",
                     "measured": f"{o['mismatches']} of {o['checked']} checked", "met": o["mismatches"] == 0})
+    chats = res.get("chats") or []
+    if chats:
+        bad = sum(r["mismatches"] for r in chats)
+        out.append({"goal": "zero divergences for TokTier (real ShareGPT chats, every final state checked)",
+                    "measured": f"{bad} of {sum(r['checked'] for r in chats):,} conversations "
+                                f"({sum(r['appends'] for r in chats):,} appends) over "
+                                f"{', '.join(r['tokenizer'] for r in chats)}", "met": bad == 0})
     adv = res.get("adversarial") or []
     if adv:
         tk = [(r["tokenizer"], r["divergences"][n]) for r in adv for n in ("toktier", "toktier-sync")
@@ -227,7 +242,9 @@ def figures(res: dict, fig_dir: str = FIG_DIR) -> list[str]:
         plt.close(fig)
         made.append(path)
     # window outcomes
-    parts = [(k, res.get(k)) for k in ("engines", "seams", "outcomes", "outcomes_heavy", "outcomes_campaign") if res.get(k)]
+    parts = [(k, res.get(k)) for k in ("engines", "seams", "outcomes", "outcomes_heavy", "outcomes_campaign")
+             if res.get(k)]
+    parts += [(f"chats:{r['tokenizer']}", r) for r in res.get("chats") or []]
     if parts:
         labels = ["first window"] + [f"widened x{i}" for i in range(1, 6)] + ["full fallback"]
         fig, ax = plt.subplots(figsize=(9, 4.8))
@@ -238,7 +255,8 @@ def figures(res: dict, fig_dir: str = FIG_DIR) -> list[str]:
             counts = [o.get("first_window", 0)] + [w.get(i, 0) for i in range(1, 6)] + [o.get("full", 0)]
             xs = np.arange(len(labels)) + (j - (len(parts) - 1) / 2) * width
             total = sum(o.values())
-            name = {"engines": "stratified agent trace (all sizes)", "seams": "plain-text appends",
+            name = f"real ShareGPT chats ({k[6:]})" if k.startswith("chats:") else {
+                    "engines": "stratified agent trace (all sizes)", "seams": "plain-text appends",
                     "outcomes": "mixture trace",
                     "outcomes_heavy": "mixture trace, heavy variant",
                     "outcomes_campaign": "campaign (mixture shape, small contexts)"}[k]
@@ -411,6 +429,26 @@ def _md_rest(res: dict, L: list[str]) -> str:
         L.append("")
         L.append("Token-state TTL hit share under the trace's pauses: " +
                  ", ".join(f"{k}: {v:.1%}" for k, v in o["ttl"].items()) + ".")
+    chats = res.get("chats") or []
+    if chats:
+        L.append("")
+        L.append(f"### Real chats replayed ({chats[0]['source']}): every message one append, every final state "
+                 f"checked against the reference")
+        L.append("")
+        L.append(f"The packaged JSON file is cut off; its {chats[0]['records_in_file']:,} complete records were "
+                 f"read. Real human/assistant chats (prose, code, many languages), not agent tool use.")
+        L.append("")
+        L.append("| tokenizer | conversations | appends | context P50 / max chars | first window | widened | full | "
+                 "final states checked | mismatches | append P50 / P99 ms | sampled: TokTier P50 vs full "
+                 "re-tokenization P50 ms |")
+        L.append("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+        for r in chats:
+            o, a, rs = r["outcomes"], r["append_ms"], r["reference_sampled"]
+            L.append(f"| {r['tokenizer']} | {r['conversations']:,} | {r['appends']:,} | "
+                     f"{r['context_p50_chars']:,.0f} / {r['context_max_chars']:,} | {o.get('first_window', 0):,} | "
+                     f"{o.get('widened', 0)} | {o.get('full', 0)} | {r['checked']:,} | {r['mismatches']} | "
+                     f"{a['p50']:.2f} / {a['p99']:.2f} | {rs['toktier_p50_ms']:.2f} vs {rs['reference_p50_ms']:.2f} "
+                     f"(n={rs['n']}) |")
     mem = res.get("memory")
     if mem:
         f = mem["final"]
@@ -429,6 +467,7 @@ def _md_rest(res: dict, L: list[str]) -> str:
         L.append("| mixture | mode | offered/s | completed | append P50 ms | append P99 ms | start P50 ms | "
                  "compact P50 ms | loadgen cores | loadgen us/call | send lag P99 ms | sidecar cores | SLO |")
         L.append("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
+        # "stopped early": enough calls had missed the SLO that the level's P99 was already over it
         for r in load["runs"]:
             for lv in r["levels"]:
                 ops = lv["ops"]
@@ -439,7 +478,8 @@ def _md_rest(res: dict, L: list[str]) -> str:
                          f"{f2(ops.get('compact'))} | {lv['loadgen_cores']:.2f} | "
                          f"{lv['loadgen_cpu_us_per_call']:.0f} | "
                          f"{lv.get('send_lag_p99_ms', float('nan')):.2f} | "
-                         f"{lv['sidecar_cores']:.2f} | {'yes' if lv['meets_slo'] else 'no'} |")
+                         f"{lv['sidecar_cores']:.2f} | "
+                         f"{'yes' if lv['meets_slo'] else 'no (stopped early)' if lv.get('stopped_early') else 'no'} |")
     gs = res.get("goals") or []
     if gs:
         L.append("")
@@ -482,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--full", action="store_true", help="everything")
     g.add_argument("--smoke", action="store_true", help="a one-minute check that every step runs")
     ap.add_argument("--tokenizer", default="llama3")
-    ap.add_argument("--steps", default="engines,seams,adversarial,outcomes,memory,load",
+    ap.add_argument("--steps", default="engines,seams,adversarial,outcomes,chats,memory,load",
                     help="comma list of steps to run")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "toktier-bench"))
     ap.add_argument("--figures", default=FIG_DIR)
@@ -552,6 +592,20 @@ def main(argv: list[str] | None = None) -> int:
                                                             small_contexts=True)
                 A.print_outcomes(res["outcomes_campaign"])
             lap("outcomes")
+        if "chats" in steps:
+            from bench import real_chats
+            from toktier.errors import TokenizerDataMissing
+
+            res["chats"] = []
+            for name in P["chat_tokenizers"]:
+                try:
+                    r = real_chats.replay(name, P["chat_conversations"], seed=args.seed, progress=progress)
+                except (real_chats.DatasetMissing, TokenizerDataMissing) as exc:
+                    print(f"real chats: {name} skipped ({exc})")
+                    continue
+                real_chats.print_replay(r)
+                res["chats"].append(r)
+            lap("chats")
         if "memory" in steps:
             res["memory"] = A.bench_memory(args.tokenizer)
             A.print_memory(res["memory"])
