@@ -69,3 +69,14 @@ def test_struct_layout_matches_header():
     assert f"#define TT_NSCRATCH {driver.NSCRATCH}" in hdr
     for name, slot in driver.META.items():
         assert re.search(rf"#define TT_META_{name} {slot}\b", hdr), name
+
+
+def test_every_kernel_source_ships_in_the_wheel():
+    """pyproject's data-files list (where a wheel install finds the kernels) names every source."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    with open(root / "pyproject.toml", "rb") as f:
+        shipped = tomllib.load(f)["tool"]["setuptools"]["data-files"]["share/toktier/cuda_src"]
+    on_disk = sorted(f"cuda_src/{p.name}" for p in (root / "cuda_src").glob("*.cu*"))
+    assert sorted(shipped) == on_disk

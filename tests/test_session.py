@@ -190,8 +190,9 @@ def _tokenize_append_alone(self, s, e, data, dchars):
     if s != e or s != len(self._text):
         return None
     extra = self.tokenizer.encode(data.decode())
-    self._ids.replace(self._ids.n, self._ids.n, extra)
-    self._starts.replace(self._starts.n, self._starts.n, np.zeros(len(extra), np.uint32))
+    n = self._ids.n
+    self._ids.replace(n, n, extra)
+    self._starts.rebuild(self._ids.view(), n, len(self._text))
     self._text += data
     self._nchars += len(data.decode())
     return toktier.session.OpResult(self._ids.view(), 0, RepairPath.FIRST_WINDOW)
@@ -201,14 +202,13 @@ def _fixed_radius_splice(self, s, e, data, dchars):
     """Re-tokenize from the cached token nearest to s - 64 bytes and splice there, unchecked."""
     if s != e or s != len(self._text):
         return None
-    starts = self._starts.view()
-    k = max(0, int(np.searchsorted(starts, max(0, s - 64))) - 1)
-    p = int(starts[k]) if k < len(starts) else s
+    ids = self._ids.view()
+    k = max(0, self._starts.locate(ids, max(0, s - 64)) - 1)
+    p = int(self._starts.starts(ids, k, k + 1)[0]) if k < len(ids) else s
+    del ids
     fresh = self.tokenizer.encode((bytes(self._text[p:s]) + data).decode())
-    lens = self.tokenizer.token_len[fresh].astype(np.int64)
-    new_starts = (p + np.concatenate(([0], np.cumsum(lens)[:-1]))).astype(np.uint32)
     self._ids.replace(k, self._ids.n, fresh)
-    self._starts.replace(k, self._starts.n, new_starts)
+    self._starts.rebuild(self._ids.view(), k, p)
     self._text += data
     self._nchars += len(data.decode())
     return toktier.session.OpResult(self._ids.view(), k, RepairPath.FIRST_WINDOW)
@@ -262,13 +262,14 @@ def test_appends_splice_on_first_window_with_o_delta_work(tok):
     assert np.array_equal(s.ids, tok.encode(s.text))
 
 
-def test_memory_is_8_bytes_per_token_plus_text():
+def test_memory_is_about_4_bytes_per_token_plus_text():
     tok = get_tokenizer("cl100k_base")
     s = Session(tok, large_text(200_000, seed=1, kind="english"))
     for i in range(200):
         s.append(" and more words %d" % i)
     arrays = s.nbytes - s.num_bytes
-    assert arrays <= 8 * s.num_tokens * 1.5 + 1024  # 8 B/token used, growth slack at most 1.5x
+    # ids 4 B/token + one 4-byte offset checkpoint per 64 tokens, growth slack at most 1.5x
+    assert arrays <= (4 + 4 / 64) * s.num_tokens * 1.5 + 1024
     assert s.ids.dtype == np.uint32
 
 
@@ -353,3 +354,18 @@ def test_fast_path_switch_forces_full_and_stays_exact(tally):
     assert r.path is RepairPath.FULL and "disabled" in r.reason
     s.fast_path = True
     assert s.append(" again").path is RepairPath.FIRST_WINDOW
+
+
+def test_char_to_byte_offsets_from_either_end():
+    """Edits convert character offsets by scanning from the nearer end, in chunks."""
+    import random
+
+    from toktier.session import _byte_offset
+
+    rng = random.Random(1)
+    for _ in range(300):
+        text = "".join(rng.choice(["a", "é", "中", "😀", "\n", "\r\n"]) for _ in range(rng.randint(0, 2000)))
+        buf = bytearray(text.encode())
+        for c in {0, len(text), len(text) // 2, *(rng.randint(0, len(text)) for _ in range(8))}:
+            got = _byte_offset(buf, len(text), c, chunk=rng.choice([1, 7, 64, 1 << 16]))
+            assert got == len(text[:c].encode()), (c, got)

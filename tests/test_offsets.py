@@ -1,0 +1,53 @@
+"""Sparse token offsets: every lookup equals the dense prefix sum of token byte lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from toktier.offsets import STRIDE, SparseOffsets
+
+TOKEN_LEN = np.array([1, 2, 3, 5, 8, 13, 128], dtype=np.uint32)  # byte length per token id
+
+
+def dense_starts(ids: np.ndarray) -> np.ndarray:
+    lens = TOKEN_LEN[ids].astype(np.int64)
+    return np.concatenate(([0], np.cumsum(lens)[:-1])) if len(ids) else np.zeros(0, np.int64)
+
+
+def check(off: SparseOffsets, ids: np.ndarray) -> None:
+    dense = dense_starts(ids)
+    total = int(TOKEN_LEN[ids].sum()) if len(ids) else 0
+    assert np.array_equal(off.starts(ids, 0, len(ids)), dense)
+    for lo, hi in [(0, 1), (STRIDE - 1, STRIDE + 2), (len(ids) // 2, len(ids)), (len(ids) - 1, len(ids))]:
+        lo, hi = max(0, lo), min(len(ids), hi)
+        assert np.array_equal(off.starts(ids, lo, hi), dense[lo:hi])
+    for pos in {0, 1, total // 3, total - 1, total, total + 7, *dense[:: max(1, len(ids) // 50)].tolist()}:
+        assert off.locate(ids, int(pos)) == int(np.searchsorted(dense, pos, "left")), pos
+
+
+ids_strategy = st.lists(st.integers(0, len(TOKEN_LEN) - 1), max_size=400).map(lambda x: np.array(x, np.uint32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=ids_strategy, splices=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400), ids_strategy),
+                                          max_size=6))
+def test_locate_and_starts_match_the_dense_prefix_sum_through_splices(ids, splices):
+    off = SparseOffsets(TOKEN_LEN)
+    off.rebuild(ids)
+    check(off, ids)
+    for a, b, mid in splices:
+        k1, k2 = sorted((min(a, len(ids)), min(b, len(ids))))
+        start_k1 = int(dense_starts(ids)[k1]) if k1 < len(ids) else int(TOKEN_LEN[ids].sum())
+        ids = np.concatenate((ids[:k1], mid, ids[k2:])).astype(np.uint32)
+        off.reserve_for(len(ids))
+        off.rebuild(ids, k1, start_k1)
+        check(off, ids)
+
+
+def test_memory_is_one_checkpoint_per_stride():
+    ids = np.zeros(64_000, dtype=np.uint32)
+    off = SparseOffsets(TOKEN_LEN)
+    off.rebuild(ids)
+    assert off.nbytes <= 4 * (len(ids) // STRIDE) * 1.5 + 64

@@ -1,0 +1,91 @@
+"""Byte offsets of a session's tokens, kept sparsely: one checkpoint per 64 tokens.
+
+A repair needs the byte start of the cached tokens near the change, never all of
+them.  Storing every start doubled a session's arrays (ids 4 B + starts 4 B per
+token); one checkpoint per ``STRIDE`` tokens (0.06 B/token) plus the token byte
+lengths (a per-tokenizer table) recovers any start in O(STRIDE).
+
+    cp[j] = byte start of token j * STRIDE            (uint32, GrowableU32)
+
+Tokens have at least one byte, so starts are strictly increasing and ``locate``
+(the first token starting at or after a byte position) is a binary search over
+the checkpoints plus a cumulative sum inside one block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .buffers import GrowableU32
+
+STRIDE = 64
+
+
+class SparseOffsets:
+    """Checkpointed token byte starts for one token sequence (see the module docstring)."""
+
+    __slots__ = ("_cp", "_token_len")
+
+    def __init__(self, token_len: np.ndarray) -> None:
+        self._cp = GrowableU32()
+        self._token_len = token_len  # byte length per token id (the tokenizer's table)
+
+    @property
+    def nbytes(self) -> int:
+        return self._cp.nbytes
+
+    def reserve_for(self, n_tokens: int) -> None:
+        """Allocate for `n_tokens` tokens now (so a later rebuild cannot fail half-way)."""
+        self._cp.reserve(-(-n_tokens // STRIDE))
+
+    def rebuild(self, ids: np.ndarray, first_token: int = 0, first_start: int = 0) -> None:
+        """Recompute the checkpoints from token `first_token` (whose start is `first_start`) on.
+
+        Checkpoints of earlier tokens are kept: a splice never moves the tokens before it.
+        """
+        j0 = -(-first_token // STRIDE)  # first checkpoint at or after first_token
+        b0 = j0 * STRIDE
+        n_cp = -(-len(ids) // STRIDE)
+        if b0 >= len(ids):
+            self._cp.n = min(self._cp.n, n_cp)
+            return
+        start = first_start + int(self._token_len[ids[first_token:b0]].sum(dtype=np.int64))  # token b0
+        lens = self._token_len[ids[b0:]]
+        pad = -len(lens) % STRIDE
+        if pad:
+            lens = np.concatenate((lens, np.zeros(pad, dtype=lens.dtype)))
+        block = lens.reshape(-1, STRIDE).sum(axis=1, dtype=np.int64)  # bytes per block of STRIDE tokens
+        cp = np.empty(len(block), dtype=np.int64)
+        cp[0] = start
+        np.cumsum(block[:-1], out=cp[1:])
+        cp[1:] += start
+        self._cp.replace(j0, self._cp.n, cp.astype(np.uint32))
+
+    def locate(self, ids: np.ndarray, pos: int) -> int:
+        """Index of the first token starting at or after byte `pos` (len(ids) if none)."""
+        n = len(ids)
+        if n == 0:
+            return 0
+        cp = self._cp.view()
+        j = int(cp.searchsorted(np.uint32(pos), "right")) - 1  # uint32 needle: no int64 copy of cp
+        if j < 0:
+            return 0
+        b = j * STRIDE
+        block = self._starts_from(ids, b, int(cp[j]), min(n, b + STRIDE))
+        return b + int(block.searchsorted(pos, "left"))
+
+    def starts(self, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Byte starts (int64) of tokens lo..hi-1."""
+        if hi <= lo:
+            return np.zeros(0, dtype=np.int64)
+        j = lo // STRIDE
+        b = j * STRIDE
+        return self._starts_from(ids, b, int(self._cp.view()[j]), hi)[lo - b :]
+
+    def _starts_from(self, ids: np.ndarray, b: int, start_b: int, hi: int) -> np.ndarray:
+        lens = self._token_len[ids[b : hi - 1]].astype(np.int64)
+        out = np.empty(hi - b, dtype=np.int64)
+        out[0] = start_b
+        np.cumsum(lens, out=out[1:])
+        out[1:] += start_b
+        return out
