@@ -38,8 +38,9 @@ from .errors import TokTierError
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-#: Default memory budget: 512 MiB, a few hundred 100K-token sessions (each holds
-#: ~8 bytes/token of arrays plus its text, ~1.2 MB for 100K tokens of English).
+#: Default memory budget: 512 MiB, about a thousand 100K-token sessions (each holds
+#: ~4-6 bytes/token of arrays with growth room plus its text, ~0.9 MB for 100K tokens
+#: of English).
 DEFAULT_MEMORY_BUDGET = 512 * 1024 * 1024
 #: Default time-to-live since last use, seconds.
 DEFAULT_TTL = 3600.0
