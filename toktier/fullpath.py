@@ -5,16 +5,16 @@ stable boundary whose left side may also be tokenized on its own, and which no
 added-token literal spans) into chunks of 8K-64K characters (about four per core, so a
 20K-character append already runs on every core), encoded concurrently on threads of
 this call (`encode_fast` releases the GIL), and concatenated.  By the splice theorem
-the result equals one reference encode of the whole text.
+the result equals one reference encode of the whole text.  Cuts are searched only near
+each target offset, so choosing them costs O(chunks), not O(text).  Texts below the
+parallel threshold, unsupported families and texts without a usable cut near a target
+are encoded in one piece (a chunk simply grows to the next cut).
 
 Why per-call threads and not HF's batch API: the batch API runs on one process-wide
 rayon pool whose workers take newly submitted jobs only after their own queued work,
 so in a server a 40K-character repair submitted during a 4M-character session start
 waited for the whole start (943 ms instead of 25 ms, measured on 2 cores).  Threads
-of its own let the OS share the cores between both.  Cuts are searched only near each target offset, so
-choosing them costs O(chunks), not O(text).  Texts below the parallel threshold,
-unsupported families and texts without a usable cut near a target are encoded in
-one piece (a chunk simply grows to the next cut).
+of its own let the OS share the cores between both.
 """
 
 from __future__ import annotations
