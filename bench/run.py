@@ -515,6 +515,22 @@ def write_results_section(body: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _per_tokenizer(label: str, names, show, run, skip: tuple[type[BaseException], ...] = (Exception,)
+                   ) -> list[dict]:
+    """``run(name)`` for each tokenizer, printing each result; one raising ``skip`` (its data is
+    missing) is reported and skipped."""
+    out = []
+    for name in names:
+        try:
+            r = run(name)
+        except skip as exc:
+            print(f"{label}: {name} skipped ({type(exc).__name__}: {exc})")
+            continue
+        show(r)
+        out.append(r)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
@@ -566,16 +582,10 @@ def main(argv: list[str] | None = None) -> int:
             A.print_engines(res["seams"])
             lap("seams")
         if "adversarial" in steps:
-            res["adversarial"] = []
-            for name in P["adv_tokenizers"]:
-                try:
-                    r = A.bench_adversarial(name, P["adv_sessions"], P["adv_calls"], seed=args.seed + 11,
-                                            progress=progress)
-                except Exception as exc:  # noqa: BLE001 - a tokenizer whose data is missing is skipped
-                    print(f"adversarial seams: {name} skipped ({type(exc).__name__}: {exc})")
-                    continue
-                A.print_adversarial(r)
-                res["adversarial"].append(r)
+            res["adversarial"] = _per_tokenizer(
+                "adversarial seams", P["adv_tokenizers"], A.print_adversarial,
+                lambda name: A.bench_adversarial(name, P["adv_sessions"], P["adv_calls"], seed=args.seed + 11,
+                                                 progress=progress))
             lap("adversarial")
         if "outcomes" in steps:
             res["outcomes"] = A.bench_outcomes(args.tokenizer, P["mix_sessions"], seed=args.seed + 1,
@@ -596,15 +606,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import real_chats
             from toktier.errors import TokenizerDataMissing
 
-            res["chats"] = []
-            for name in P["chat_tokenizers"]:
-                try:
-                    r = real_chats.replay(name, P["chat_conversations"], seed=args.seed, progress=progress)
-                except (real_chats.DatasetMissing, TokenizerDataMissing) as exc:
-                    print(f"real chats: {name} skipped ({exc})")
-                    continue
-                real_chats.print_replay(r)
-                res["chats"].append(r)
+            res["chats"] = _per_tokenizer(
+                "real chats", P["chat_tokenizers"], real_chats.print_replay,
+                lambda name: real_chats.replay(name, P["chat_conversations"], seed=args.seed, progress=progress),
+                skip=(real_chats.DatasetMissing, TokenizerDataMissing))
             lap("chats")
         if "memory" in steps:
             res["memory"] = A.bench_memory(args.tokenizer)

@@ -245,6 +245,18 @@ def test_non_nfc_text_in_nfc_family_is_exact_via_full_path(tally):
     assert s.stats.full >= 1  # the decomposed é does not tile: splices are refused, results exact
 
 
+def test_nfc_reordering_that_keeps_byte_length_is_not_spliced(tally):
+    """Canonical reordering (q + acute + dot below -> q + dot below + acute) keeps the byte length:
+    only a byte comparison shows the tokens do not tile the raw text."""
+    tok = get_tokenizer("qwen3")
+    odd = "q\u0301\u0323"
+    assert tok.engine.normalize(odd) != odd and len(tok.engine.normalize(odd).encode()) == len(odd.encode())
+    ops = [("append", "plain text " * 100 + odd), ("append", " more words " * 40), ("edit", 30, 35, odd),
+           ("append", odd * 3 + " tail")]
+    s = replay(tok, ops, tally)
+    assert s.stats.full >= 1
+
+
 def test_appends_splice_on_first_window_with_o_delta_work(tok):
     text = large_text(400_000, seed=5, kind="code")
     if tok.family_info is not None and tok.family_info.nfc:
