@@ -59,6 +59,7 @@ class EmuBackend:
         self.lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
         self.launches = 0
+        self.block_pieces = 0  # pieces run by tt_bpe_block (tests check what a text reached)
 
     def arch(self) -> str:
         return "emu"
@@ -74,6 +75,8 @@ class EmuBackend:
                 sig = {("p",): 0, ("p", "p"): 1, ("p", "i", "i"): 2, ("p", "i"): 3, ("p", "p", "p"): 4}[kinds]
                 vals = [int(a) & 0xFFFFFFFFFFFFFFFF for a in args] + [0] * (3 - len(args))
                 self.launches += 1
+                if name == "tt_bpe_block":
+                    self.block_pieces += grid
                 self.lib.emu_launch(addr, sig, grid, block, threaded, *vals)
 
             return launch

@@ -11,6 +11,7 @@ driver's struct packing matches the header's static_asserts.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -80,3 +81,26 @@ def test_every_kernel_source_ships_in_the_wheel():
         shipped = tomllib.load(f)["tool"]["setuptools"]["data-files"]["share/toktier/cuda_src"]
     on_disk = sorted(f"cuda_src/{p.name}" for p in (root / "cuda_src").glob("*.cu*"))
     assert sorted(shipped) == on_disk
+
+
+@needs_nvcc
+@pytest.mark.parametrize("symbol", sorted(__import__("toktier.gpu.cuda_graph", fromlist=["x"]).SIGNATURES))
+def test_graph_capture_calls_match_the_toolkit_header(symbol):
+    """cuda_graph.py calls libcuda by ctypes (pycuda has no graph API): each exported symbol
+    is what cuda.h maps its public name to, and takes as many arguments as we pass."""
+    from toktier.gpu.cuda_graph import SIGNATURES
+
+    roots = [Path(NVCC).resolve().parent.parent, Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))]
+    path = next((p for p in (r / "include" / "cuda.h" for r in roots) if p.is_file()), None)
+    if path is None:
+        pytest.skip(f"no cuda.h under {roots}")
+    header = path.read_text(errors="replace")
+    public, args = SIGNATURES[symbol]
+    # e.g. `#define cuStreamBeginCapture __CUDA_API_PTSZ(cuStreamBeginCapture_v2)`: the plain
+    # symbol is the legacy ABI; every mapping of the public name must name our symbol
+    maps = re.findall(rf"#define\s+{public}\s+(.*)", header)
+    assert all(re.search(rf"\b{symbol}\b", m) for m in maps), f"cuda.h maps {public} to {maps}, not {symbol}"
+    assert maps or symbol == public, f"cuda.h does not map {public} to {symbol}"
+    decl = re.search(rf"CUresult CUDAAPI {public}\(([^)]*)\);", header)
+    assert decl, f"cuda.h declares no {public}"
+    assert len(decl.group(1).split(",")) == len(args), decl.group(0)

@@ -12,6 +12,8 @@ cores), so each test sends a few dense texts.
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,6 +69,26 @@ def test_emulated_kernels_equal_reference(drv, name, tally):
             _check(drv, tok, text, tally)
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}: {exc}") from None
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_emulated_block_bpe_on_pieces_longer_than_a_bitmap_chunk(drv, name, tally):
+    """Block-per-piece BPE walks a piece in 8192-pair bitmap chunks: runs of equal-rank
+    pairs (all-candidate words, odd runs crossing word and chunk boundaries) and random
+    two-letter pieces whose candidate runs have every length."""
+    tok = get_tokenizer(name)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    src = (Path(__file__).parent.parent / "cuda_src" / "tt_bpe.cuh").read_text()
+    chunk = 32 * int(re.search(r"#define TT_BLOCK_THREADS (\d+)", src).group(1))  # TT_BM_BITS
+    ab = "".join(rng.choice("ab") for _ in range(2 * chunk + 77))
+    for text in (" " * (chunk + 1) + "x", "=" * (2 * chunk + 3), "a" * (chunk - 1) + " " + ab):
+        blocks = drv.backend.block_pieces
+        try:
+            _check(drv, tok, text, tally)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}: {exc}") from None
+        assert drv.backend.block_pieces > blocks  # the text reached the block kernel
 
 
 @pytest.mark.parametrize("name, fam", [("llama3", "llama3"), ("deepseek_v4", "deepseek"), ("cl100k_base", "chatml")])

@@ -239,3 +239,14 @@ def test_literal_soup(name, data, tally):
     text = "".join(parts)
     if _nfc_ok(tok, text):
         check_ids(tok, text, tally)
+
+
+def test_tables_refuse_a_rank_with_two_merged_tokens():
+    """The kernels carry one merged id per round; a table breaking that must not reach them."""
+    from toktier.errors import UnsupportedTokenizer
+    from toktier.gpu.tables import _check_one_merge_per_rank
+
+    rank = np.array([3, 1, 1, 2], dtype=np.uint32)
+    _check_one_merge_per_rank(rank, np.array([9, 7, 7, 8], dtype=np.uint32))  # tiktoken shape: same id
+    with pytest.raises(UnsupportedTokenizer, match="merge rank 1 yields two tokens"):
+        _check_one_merge_per_rank(rank, np.array([9, 7, 6, 8], dtype=np.uint32))

@@ -11,7 +11,9 @@ Per tokenizer the driver uploads the tables of ``tables.py`` once (class table,
 pair and vocab hash tables, token bytes) and keeps one device `TTTables` struct.
 Per input-size bucket (a power of two of UTF-8 bytes, >= 4 KiB) it allocates the
 buffers of one `TTBufs` struct (``cuda_src/tt_common.cuh``) and captures the whole
-bytes-to-ids chain as a CUDA graph per (bucket, tokenizer).  A request is:
+bytes-to-ids chain as a CUDA graph per (bucket, tokenizer) (CuPy's stream capture;
+on pycuda, which wraps no graph API, the driver API through `cuda_graph.py`).  A
+request is:
 
 1. host: UTF-8 encode, find added-token literals (byte offsets, leftmost-longest);
 2. async copies of the bytes, literal spans and the meta header into the bucket;
@@ -132,13 +134,12 @@ class _PyCudaBackend:
         self.stream.synchronize()
 
     def capture(self, run):
-        self.stream.begin_capture()
-        try:
-            run()
-        finally:
-            graph = self.stream.end_capture()
-        ge = graph.instance()
-        return lambda: ge.launch(self.stream)
+        from .cuda_graph import capture  # pycuda has no graph API: the driver API by ctypes
+
+        handle = self.stream.handle
+        ge = capture(handle, run)
+        ge.upload(handle)
+        return lambda: ge.launch(handle)
 
     def enter(self) -> None:
         self.ctx.push()

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from ..charclass import cache_dir
+from ..errors import UnsupportedTokenizer
 from ..families import K, L, M, N, W, _CL100K_TIKTOKEN
 
 UP, LO, PS = 1 << 5, 1 << 6, 1 << 7
@@ -270,6 +271,21 @@ def bpe_tables(tok) -> BpeTables:
     return tables
 
 
+def _check_one_merge_per_rank(rank: np.ndarray, merged: np.ndarray) -> None:
+    """The kernels merge every pair of a round's rank into one id (tt_bpe.cuh): check it.
+
+    Holds for HF (one merge per rank) and tiktoken (rank == merged id); a file that
+    breaks it gets no GPU tables, so the router keeps it on the CPU.
+    """
+    order = np.lexsort((merged, rank))
+    r, m = rank[order], merged[order]
+    clash = np.flatnonzero((r[1:] == r[:-1]) & (m[1:] != m[:-1]))
+    if len(clash):
+        i = int(clash[0])
+        raise UnsupportedTokenizer(f"merge rank {int(r[i])} yields two tokens ({int(m[i])}, {int(m[i + 1])}); "
+                                   "the GPU BPE kernels need one merged token per rank")
+
+
 def _build_bpe_tables(tok) -> BpeTables:
     eng = tok.engine
     if hasattr(eng, "_enc"):  # tiktoken
@@ -311,6 +327,7 @@ def _build_bpe_tables(tok) -> BpeTables:
     keys = keys[sel]
     rank_a = np.array(rank, dtype=np.uint32)[sel]
     merged_a = np.array(merged, dtype=np.uint32)[sel]
+    _check_one_merge_per_rank(rank_a, merged_a)
     slot_keys, slot_item, pbits = build_hash(keys)
     pair_rank = np.full(len(slot_keys), EMPTY32, dtype=np.uint32)
     pair_merged = np.full(len(slot_keys), EMPTY32, dtype=np.uint32)
