@@ -100,12 +100,15 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def bench_engines(tok_name: str = "llama3", sizes=SIZES, n_calls: int = 40, samples: int = 3, seed: int = 0,
-                  engines=ENGINES, out_dir: str | None = None, progress: bool = True, family: str | None = None
-                  ) -> dict:
-    """``family="none"`` drops the chat template: plain text, seams anywhere (mid-word, mid-number)."""
+                  engines=ENGINES, out_dir: str | None = None, progress: bool = True, family: str | None = None,
+                  sessions_per_size: int = 1) -> dict:
+    """``n_calls`` calls in each of ``sessions_per_size`` sessions per size; ``samples`` calls per
+    size timed for the slow engines.  ``family="none"`` drops the chat template: plain text, seams
+    anywhere (mid-word, mid-number)."""
     tok = toktier.load_tokenizer(tok_name)
     family = family or T.family_template(tok_name)
-    header, calls = T.generate_stratified(list(sizes), n_calls, seed, family=family)
+    header, calls = T.generate_stratified(list(sizes), n_calls, seed, family=family,
+                                          sessions_per_size=sessions_per_size)
     if out_dir:
         T.write(os.path.join(out_dir, f"stratified-{tok_name}-{family}-seed{seed}.jsonl"), header, calls)
     built, unavailable = {}, {}
@@ -125,94 +128,96 @@ def bench_engines(tok_name: str = "llama3", sizes=SIZES, n_calls: int = 40, samp
         by_sid.setdefault(c["sid"], []).append(c)
     bar = tqdm(total=len(calls), desc=f"agent trace ({tok_name})", disable=not progress, unit="call")
     for size in sizes:
-        sid = f"ctx{size}"
-        n_sess = len(by_sid[sid])
-        k = samples if (samples >= 5 or size <= 1_000_000) else min(samples, 2)  # quick: fewer slow calls at 2M+
-        timed_idx = set(np.linspace(1, n_sess - 1, k).round().astype(int).tolist()) if k else set()
-        l0_idx = set(sorted(timed_idx)[:2])
-        for call in T.replay(header, by_sid[sid]):
-            req = _request(call)
-            ctx_bytes = len(call.text.encode("utf-8"))
-            order = list(built)
-            rng.shuffle(order)
-            got: dict[str, np.ndarray] = {}
-            for name in order:
-                eng = built[name]
-                if name in SAMPLED and call.op != "start" and call.index not in timed_idx:
-                    continue
-                if name == "l0-exact" and call.op != "start" and (call.index not in l0_idx or
-                                                                   (samples < 5 and size > 1_000_000)):
-                    continue  # L0 misses into the reference on every new text: timing it twice is enough
-                if call.op == "start" and name in ("l0-exact", "gigatoken-cold", "tiktoken") and size > 1_000_000 \
-                        and samples < 5:
-                    continue  # quick runs: big starts are timed for the reference and the fast peers only
-                if hasattr(eng, "prepare"):
-                    eng.prepare()
-                gc.disable()
-                c0 = time.process_time()
-                t0 = time.perf_counter()
-                ids = eng(req)
-                wall = time.perf_counter() - t0
-                cpu = time.process_time() - c0
-                gc.enable()
-                got[name] = np.array(ids, copy=True) if name.startswith("toktier") else ids
-                rec = {"engine": name, "bucket": size, "sid": sid, "call": call.index, "op": call.op,
-                       "context_chars": len(call.text), "context_bytes": ctx_bytes, "wall_ms": wall * 1e3,
-                       "cpu_ms": cpu * 1e3}
-                if name == "toktier" and eng.last is not None:
-                    r = eng.last
-                    rec["path"] = r.path.value
-                    rec["widenings"] = int(r.widenings)
-                    if call.op in ("append", "edit"):
-                        outcomes[r.path.value] = outcomes.get(r.path.value, 0) + 1
-                        widen_hist[int(r.widenings)] = widen_hist.get(int(r.widenings), 0) + 1
-                records.append(rec)
-            # the truth for this call
-            if "hf-tokenizers" in got:
-                truth, src = got["hf-tokenizers"], "reference"
-            elif tok.engine.engine_name == "tiktoken" and "tiktoken" in got:
-                truth, src = got["tiktoken"], "reference"
-            else:
-                t = got.get("toktier")
-                witnesses = [got[w] for w in ("fastokens", "gigatoken") if w in got]
-                if t is not None and len(witnesses) == 2 and all(np.array_equal(t, w) for w in witnesses):
-                    truth, src = t, "agreement"
+        sids = [s for s in by_sid if s == f"ctx{size}" or s.startswith(f"ctx{size}-")]
+        k_all = samples if (samples >= 5 or size <= 1_000_000) else min(samples, 2)  # quick: fewer at 2M+
+        for j, sid in enumerate(sids):  # the size's timed calls spread over its sessions
+            n_sess = len(by_sid[sid])
+            k = k_all // len(sids) + (1 if j < k_all % len(sids) else 0)
+            timed_idx = set(np.linspace(1, n_sess - 1, k).round().astype(int).tolist()) if k else set()
+            l0_idx = set(sorted(timed_idx)[:2]) if j == 0 else set()
+            for call in T.replay(header, by_sid[sid]):
+                req = _request(call)
+                ctx_bytes = len(call.text.encode("utf-8"))
+                order = list(built)
+                rng.shuffle(order)
+                got: dict[str, np.ndarray] = {}
+                for name in order:
+                    eng = built[name]
+                    if name in SAMPLED and call.op != "start" and call.index not in timed_idx:
+                        continue
+                    if name == "l0-exact" and call.op != "start" and (call.index not in l0_idx or
+                                                                       (samples < 5 and size > 1_000_000)):
+                        continue  # L0 misses into the reference on every new text: timing it twice is enough
+                    if call.op == "start" and name in ("l0-exact", "gigatoken-cold", "tiktoken") and size > 1_000_000 \
+                            and samples < 5:
+                        continue  # quick runs: big starts are timed for the reference and the fast peers only
+                    if hasattr(eng, "prepare"):
+                        eng.prepare()
+                    gc.disable()
+                    c0 = time.process_time()
+                    t0 = time.perf_counter()
+                    ids = eng(req)
+                    wall = time.perf_counter() - t0
+                    cpu = time.process_time() - c0
+                    gc.enable()
+                    got[name] = np.array(ids, copy=True) if name.startswith("toktier") else ids
+                    rec = {"engine": name, "bucket": size, "sid": sid, "call": call.index, "op": call.op,
+                           "context_chars": len(call.text), "context_bytes": ctx_bytes, "wall_ms": wall * 1e3,
+                           "cpu_ms": cpu * 1e3}
+                    if name == "toktier" and eng.last is not None:
+                        r = eng.last
+                        rec["path"] = r.path.value
+                        rec["widenings"] = int(r.widenings)
+                        if call.op in ("append", "edit"):
+                            outcomes[r.path.value] = outcomes.get(r.path.value, 0) + 1
+                            widen_hist[int(r.widenings)] = widen_hist.get(int(r.widenings), 0) + 1
+                    records.append(rec)
+                # the truth for this call
+                if "hf-tokenizers" in got:
+                    truth, src = got["hf-tokenizers"], "reference"
+                elif tok.engine.engine_name == "tiktoken" and "tiktoken" in got:
+                    truth, src = got["tiktoken"], "reference"
                 else:
-                    truth, src = tok.encode(call.text), "adjudicated"
-            truth_source[src] += 1
-            for name, ids in got.items():
-                d = divergences[name]
-                d["checked"] += 1
-                if not np.array_equal(ids, truth):
-                    d["diverged"] += 1
-                    d["by_op"][call.op] = d["by_op"].get(call.op, 0) + 1
-                    if len(d["examples"]) < 5:
-                        i = _first_diff(ids, truth)
-                        d["examples"].append({"sid": sid, "call": call.index, "op": call.op, "first_diff": i,
-                                              "len": len(ids), "ref_len": len(truth),
-                                              "got": ids[i:i + 4].tolist(), "ref": truth[i:i + 4].tolist()})
-            # scanned characters of this call, per engine
-            sess = built["toktier"].session(sid) if "toktier" in built else None
-            for rec in records[len(records) - len(got):]:
-                name = rec["engine"]
-                eng = built[name]
-                if name == "toktier" and sess is not None:
-                    st = sess.stats
-                    prev = getattr(eng, "_prev_retok", {}).get(sid, 0)
-                    cpt = len(call.text) / max(1, sess.num_tokens)
-                    rec["scanned_chars"] = (st.tokens_retokenized - prev) * cpt if call.op != "start" \
-                        else len(call.text)
-                    eng.__dict__.setdefault("_prev_retok", {})[sid] = st.tokens_retokenized
-                elif hasattr(eng, "scanned_chars"):
-                    prev = eng.__dict__.get("_prev_scanned", 0)
-                    rec["scanned_chars"] = eng.scanned_chars - prev
-                    eng._prev_scanned = eng.scanned_chars
-                else:
-                    rec["scanned_chars"] = len(call.text)  # full re-tokenization (toktier-sync: see below)
-            bar.update(1)
-        for eng in built.values():
-            eng.close(sid)
-        gc.collect()
+                    t = got.get("toktier")
+                    witnesses = [got[w] for w in ("fastokens", "gigatoken") if w in got]
+                    if t is not None and len(witnesses) == 2 and all(np.array_equal(t, w) for w in witnesses):
+                        truth, src = t, "agreement"
+                    else:
+                        truth, src = tok.encode(call.text), "adjudicated"
+                truth_source[src] += 1
+                for name, ids in got.items():
+                    d = divergences[name]
+                    d["checked"] += 1
+                    if not np.array_equal(ids, truth):
+                        d["diverged"] += 1
+                        d["by_op"][call.op] = d["by_op"].get(call.op, 0) + 1
+                        if len(d["examples"]) < 5:
+                            i = _first_diff(ids, truth)
+                            d["examples"].append({"sid": sid, "call": call.index, "op": call.op, "first_diff": i,
+                                                  "len": len(ids), "ref_len": len(truth),
+                                                  "got": ids[i:i + 4].tolist(), "ref": truth[i:i + 4].tolist()})
+                # scanned characters of this call, per engine
+                sess = built["toktier"].session(sid) if "toktier" in built else None
+                for rec in records[len(records) - len(got):]:
+                    name = rec["engine"]
+                    eng = built[name]
+                    if name == "toktier" and sess is not None:
+                        st = sess.stats
+                        prev = getattr(eng, "_prev_retok", {}).get(sid, 0)
+                        cpt = len(call.text) / max(1, sess.num_tokens)
+                        rec["scanned_chars"] = (st.tokens_retokenized - prev) * cpt if call.op != "start" \
+                            else len(call.text)
+                        eng.__dict__.setdefault("_prev_retok", {})[sid] = st.tokens_retokenized
+                    elif hasattr(eng, "scanned_chars"):
+                        prev = eng.__dict__.get("_prev_scanned", 0)
+                        rec["scanned_chars"] = eng.scanned_chars - prev
+                        eng._prev_scanned = eng.scanned_chars
+                    else:
+                        rec["scanned_chars"] = len(call.text)  # full re-tokenization (toktier-sync: see below)
+                bar.update(1)
+            for eng in built.values():
+                eng.close(sid)
+            gc.collect()
     bar.close()
     for name in ("toktier-sync",):  # same repairs as toktier plus an O(N) compare; scanned as toktier's
         tk = {(r["sid"], r["call"]): r.get("scanned_chars") for r in records if r["engine"] == "toktier"}
@@ -223,6 +228,7 @@ def bench_engines(tok_name: str = "llama3", sizes=SIZES, n_calls: int = 40, samp
                    if hasattr(e, "hits")}
     seg = getattr(built.get("fastokens-segment-cache"), "stats", None)
     return {"tokenizer": tok_name, "family": family, "sizes": list(sizes), "calls_per_session": n_calls,
+            "sessions_per_size": sessions_per_size,
             "samples": samples,
             "seed": seed, "engines": {n: describe(n) for n in built}, "unavailable": unavailable,
             "records": records, "divergences": divergences, "truth_source": truth_source,
@@ -264,10 +270,17 @@ def start_table(res: dict) -> list[dict]:
     return rows
 
 
+def calls_per_size(res: dict) -> str:
+    """'30 calls per size' or '7 sessions x 30 calls per size'."""
+    k = res.get("sessions_per_size", 1)
+    return f"{k} sessions x {res['calls_per_session']} calls per size" if k > 1 else \
+        f"{res['calls_per_session']} calls per size"
+
+
 def print_engines(res: dict) -> None:
     print(f"\n## Per-call latency on agent traces ({res['tokenizer']}, template {res.get('family')}; "
           f"append/edit calls; "
-          f"{res['calls_per_session']} calls per size; slow engines timed on {res['samples']} calls per size)")
+          f"{calls_per_size(res)}; slow engines timed on {res['samples']} calls per size)")
     print(f"{'engine':<25} {'context':>9} {'n':>4} {'P50 ms':>9} {'P90 ms':>9} {'P99 ms':>9} {'P50 / toktier':>14} "
           f"{'served MB/core-s':>17} {'scanned chars/call':>19} {'scanned Mchar/core-s':>21}")
     for row in latency_table(res):

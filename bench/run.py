@@ -37,8 +37,9 @@ RESULTS_MD = os.path.join(ROOT, "bench", "RESULTS.md")
 SECTION = "## Agent traces (issue 6)"
 WARM_EXACT = ("fastokens-input-cache", "gigatoken", "fastokens-segment-cache", "fastokens", "tiktoken")
 
-# calls: per context size in the agent trace; samples: calls per size on which the slow engines are
-# timed; seam_*: plain-text appends; adv_*: adversarial seams; mix_*: mixture replay through TokTier;
+# calls: per session in the agent trace (sessions_per_size sessions per context size, default 1);
+# samples: calls per size on which the slow engines are timed; seam_*: plain-text appends;
+# adv_*: adversarial seams; mix_*: mixture replay through TokTier;
 # camp_sessions: the many-appends window-outcome campaign (mixture shape, small contexts);
 # chat_*: replays of real ShareGPT chats (0 conversations = every complete record);
 # load_*: seconds per load level, drain time, minimum calls per level.
@@ -55,7 +56,7 @@ PRESETS = {
               "mix_sessions": 24, "mix_check": 0.02, "heavy_sessions": 0, "camp_sessions": 100,
               "chat_conversations": 2000, "chat_tokenizers": ("llama3",),
               "load_duration": 4.0, "load_drain": 8.0, "load_min_calls": 200},
-    "full": {"calls": 200, "samples": 10,
+    "full": {"calls": 30, "sessions_per_size": 7, "samples": 10,
              "seam_calls": 200, "seam_sizes": (1_000_000, 2_000_000, 4_000_000),
              "adv_tokenizers": ("llama3", "cl100k_base", "o200k_base", "o200k_harmony", "deepseek_v4", "qwen3"),
              "adv_sessions": 120, "adv_calls": 100,
@@ -314,7 +315,7 @@ def figures(res: dict, fig_dir: str = FIG_DIR) -> list[str]:
 
 
 def markdown(res: dict) -> str:
-    from bench.agent_trace import latency_table, start_table
+    from bench.agent_trace import calls_per_size, latency_table, start_table
 
     L = []
     m = res["machine"]
@@ -339,7 +340,7 @@ def _engines_md(eng: dict, key: str) -> list[str]:
         L.append("")
         title = "agent trace, chat template" if key == "engines" else "plain-text appends, no template (seams anywhere)"
         L.append(f"### Per-call latency by context size: {title} ({eng['tokenizer']}, append/edit calls, "
-                 f"{eng['calls_per_session']} calls per size; reference, tiktoken, gigatoken-cold and L0 timed on "
+                 f"{calls_per_size(eng)}; reference, tiktoken, gigatoken-cold and L0 timed on "
                  f"{eng['samples']} calls per size)")
         L.append("")
         L.append(f"Stratified trace: appended chars per call P50 {s['append_p50']:.0f} / P90 {s['append_p90']:.0f}, "
@@ -572,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             _t[0] = now
         if "engines" in steps:
             res["engines"] = A.bench_engines(args.tokenizer, P.get("sizes", A.SIZES), P["calls"], P["samples"],
-                                             seed=args.seed, out_dir=args.out, progress=progress)
+                                             seed=args.seed, out_dir=args.out, progress=progress,
+                                             sessions_per_size=P.get("sessions_per_size", 1))
             A.print_engines(res["engines"])
             lap("engines")
         if "seams" in steps:

@@ -302,21 +302,25 @@ def generate_mixture(n_sessions: int, seed: int, cfg: TraceConfig = TraceConfig(
 
 
 def generate_stratified(sizes: list[int], n_calls: int, seed: int, cfg: TraceConfig = TraceConfig(),
-                        family: str = "llama3") -> tuple[dict, list[dict]]:
-    """One session per context size, starting at that size, with the same ``n_calls`` calls (sizes,
-    ops, think blocks; drawn from the calibrated per-call distributions) at every size (no
-    compactions: they would leave the size class;
-    full-context calls are measured by the session starts)."""
+                        family: str = "llama3", sessions_per_size: int = 1) -> tuple[dict, list[dict]]:
+    """``sessions_per_size`` sessions per context size, each starting at that size, with ``n_calls``
+    calls (sizes, ops, think blocks; drawn from the calibrated per-call distributions); session j
+    has the same call sequence at every size (no compactions: they would leave the size class;
+    full-context calls are measured by the session starts).  A session grows ~3K characters per
+    call, so many short sessions keep a size class near its size where one long one would not.
+    Session ids: ``ctx{size}`` (one per size) or ``ctx{size}-{j}``."""
+    if sessions_per_size < 1:
+        raise ValueError(f"sessions_per_size must be >= 1, not {sessions_per_size}")
     cfg = dataclasses.replace(cfg, compact_rate=0.0, max_context=4 * max(sizes))  # never cut a session short
     rng = random.Random(f"stratified:{seed}")
     rend = Renderer(family)
     calls, sessions = [], {}
-    for size in sizes:
-        sid = f"ctx{size}"
+    for size, j in ((size, j) for size in sizes for j in range(sessions_per_size)):
+        sid = f"ctx{size}" if sessions_per_size == 1 else f"ctx{size}-{j}"
         sseed = rng.randrange(1 << 30)
         g = _SessionGen(sid, random.Random(sseed), cfg, rend, "mixed", sseed)
         g.start(0.0, size)
-        g.rng = random.Random(f"stratified-calls:{seed}")  # every size gets the same call sequence
+        g.rng = random.Random(f"stratified-calls:{seed}" + (f":{j}" if j else ""))  # same calls at every size
         t, turn = 0.0, 0
         while g.n_call <= n_calls:
             turn += 1

@@ -150,12 +150,14 @@ class Sidecar:
         self.verifier: ShadowVerifier | None = None
         if config.verify_rate > 0:
             # The sidecar samples (it alone knows a sample costs an O(N) text decode); the
-            # verifier checks every offer, with private cache-less references (no GIL-heavy
-            # per-batch rebuilds in a latency-critical process).
+            # verifier checks every offer, with private cache-less references built when a
+            # tokenizer loads and never rebuilt: a build holds the GIL ~0.3 s, which stalled
+            # every in-flight append when it happened on the first sample mid-traffic.
             self.verifier = ShadowVerifier(self.service.registry.get, rate=1.0, fresh="nocache",
-                                           metrics=self.metrics.registry,
+                                           rebuild_every=None, metrics=self.metrics.registry,
                                            disable_on_mismatch=config.verify_disable_on_mismatch)
             self.service.fast_path_disabled = self.verifier.is_disabled
+            self.service.on_tokenizer_loaded = self.verifier.prepare
         self._sample = random.Random()
         self.install_signals = install_signals
         self.lanes = Lanes()

@@ -90,6 +90,9 @@ class SessionService:
         self.bundled = frozenset(toktier.list_tokenizers())
         # Set by the server when the shadow verifier may disable a tokenizer's fast path.
         self.fast_path_disabled: Callable[[str], bool] = lambda tokenizer_hash: False
+        # Set by the server: runs on the loading thread after each tokenizer load (the
+        # shadow verifier builds its private reference there, not mid-traffic).
+        self.on_tokenizer_loaded: Callable[[toktier.FrozenTokenizer], None] = lambda tok: None
         self.started = time.monotonic()
         self.default_tokenizer = ""
 
@@ -98,6 +101,7 @@ class SessionService:
         """Load the configured tokenizers (blocking; call before serving)."""
         for i, name in enumerate(self.config.tokenizers):
             tok = self.registry.load(name)
+            self.on_tokenizer_loaded(tok)
             if i == 0:
                 self.default_tokenizer = tok.name
             log.info("tokenizer %s loaded (hash %s, family %s)", tok.name, tok.hash[:12], tok.family)
@@ -120,7 +124,9 @@ class SessionService:
 
     def load_tokenizer(self, name: str, specials: str) -> toktier.FrozenTokenizer:
         """Load a bundled tokenizer (slow: run in a worker)."""
-        return self.registry.load(name, specials=specials)  # type: ignore[arg-type]
+        tok = self.registry.load(name, specials=specials)  # type: ignore[arg-type]
+        self.on_tokenizer_loaded(tok)
+        return tok
 
     # ---------------------------------------------------------------- sessions
     def plan(self, key: Hashable, req: P._Msg, tok: toktier.FrozenTokenizer | None = None) -> Plan:

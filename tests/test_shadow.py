@@ -298,3 +298,20 @@ def test_verifier_uses_a_new_reference_per_batch(monkeypatch):
         assert v.stats.checked == 3 and v.stats.mismatches == 0
     assert len(made) == 3 and len({id(r) for r in made}) == 3
     assert all(r is not tok.engine for r in made)
+
+
+@pytest.mark.parametrize("rebuild_every, same_after_3", [(None, True), (2, False)])
+def test_prepare_builds_the_private_reference_once(rebuild_every, same_after_3):
+    """`prepare` builds the nocache reference up front (a GIL-holding build kept out of
+    traffic); checks reuse it, rebuilding only every `rebuild_every` batches."""
+    tok = get_tokenizer("llama3")
+    with ShadowVerifier({tok.hash: tok}, rate=1.0, fresh="nocache", rebuild_every=rebuild_every) as v:
+        v.prepare(tok)
+        ref = v._refs[tok.hash][0]
+        v.prepare(tok)
+        assert v._refs[tok.hash][0] is ref  # idempotent
+        for text in ("one", "two", "three"):  # one batch each
+            assert v.offer(tok.hash, text, tok.encode(text))
+            assert v.drain(timeout=30)
+        assert v.stats.checked == 3 and v.stats.mismatches == 0
+        assert (v._refs[tok.hash][0] is ref) == same_after_3

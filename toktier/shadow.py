@@ -22,8 +22,11 @@ after an earlier long encode), selected by ``fresh=``:
     one private reference object per tokenizer (never the serving one) whose
     only cross-call state, HF's BPE word cache, is disabled (``_resize_cache(0)``
     and cleared per batch; tiktoken's CoreBPE keeps none), rebuilt every
-    ``rebuild_every`` batches.  A mismatch is confirmed with a brand-new object
-    before it counts.
+    ``rebuild_every`` batches (None: never).  A mismatch is confirmed with a
+    brand-new object before it counts.  Building a reference holds the GIL, so a
+    latency-critical process calls `prepare` when it loads a tokenizer (the sidecar
+    does, and never rebuilds): otherwise the first sampled result stalls every
+    thread of the process for the build.
 
 A mismatch produces a `MismatchReport` (tokenizer hash, sha256 of the text,
 first differing index and the two ID windows around it; the text itself only
@@ -194,7 +197,7 @@ class ShadowVerifier:
         batch_size: int = 64,
         batch_window: float = 0.05,
         fresh: Literal["batch", "nocache"] = "batch",
-        rebuild_every: int = 1000,
+        rebuild_every: int | None = 1000,
         reference_factory: ReferenceFactory | None = None,
         on_mismatch: Callable[[MismatchReport], None] | None = None,
         on_disable: Callable[[str, MismatchReport], None] | None = None,
@@ -215,7 +218,7 @@ class ShadowVerifier:
         self.batch_size = batch_size
         self.batch_window = batch_window
         self.fresh = fresh
-        self.rebuild_every = max(1, rebuild_every)
+        self.rebuild_every = None if rebuild_every is None else max(1, rebuild_every)
         self._factory = reference_factory
         self.on_mismatch = on_mismatch
         self.on_disable = on_disable
@@ -228,6 +231,7 @@ class ShadowVerifier:
         self._disabled: dict[str, MismatchReport] = {}
         self.reports: deque[MismatchReport] = deque(maxlen=max_reports)
         self._refs: dict[str, tuple[Any, int]] = {}  # nocache mode: hash -> (reference, batches used)
+        self._refs_lock = threading.Lock()  # `prepare` runs on loader threads, checks on the worker
         self._closed = False
         self._metrics = _Metrics(metrics, metric_prefix, self) if metrics is not None else None
         if self._metrics:
@@ -289,6 +293,22 @@ class ShadowVerifier:
         if self._metrics:
             self._metrics.disabled.labels(tokenizer=tokenizer_hash[:16]).set(0)
         return was
+
+    def prepare(self, tok: FrozenTokenizer) -> None:
+        """Build `tok`'s private reference now, on the caller's thread (``fresh="nocache"``).
+
+        Building one holds the GIL (~0.3 s for a large tokenizer.json on the dev VM), so
+        do it when the tokenizer is loaded rather than on its first sampled result, in
+        the middle of traffic.  Idempotent; a no-op in the other modes.
+        """
+        if self._factory is not None or self.fresh != "nocache":
+            return
+        with self._refs_lock:
+            if tok.hash in self._refs:
+                return
+        ref = fresh_reference(tok, cache=False)
+        with self._refs_lock:
+            self._refs.setdefault(tok.hash, (ref, 0))
 
     # -- configuration and state -------------------------------------------------------
     @property
@@ -375,10 +395,12 @@ class ShadowVerifier:
             return self._factory(tok)
         if self.fresh == "batch":
             return fresh_reference(tok)
-        ref, used = self._refs.get(tok.hash, (None, 0))
-        if ref is None or used >= self.rebuild_every:
+        with self._refs_lock:
+            ref, used = self._refs.get(tok.hash, (None, 0))
+        if ref is None or (self.rebuild_every is not None and used >= self.rebuild_every):
             ref, used = fresh_reference(tok, cache=False), 0
-        self._refs[tok.hash] = (ref, used + 1)
+        with self._refs_lock:
+            self._refs[tok.hash] = (ref, used + 1)
         if hasattr(ref, "clear"):
             ref.clear()
         return ref

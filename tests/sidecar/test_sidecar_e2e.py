@@ -309,6 +309,10 @@ def test_pipelined_ops_on_one_session_apply_in_arrival_order(sidecar, llama3):
 
 def test_shadow_verifier_checks_served_results(start_sidecar, llama3):
     sc = start_sidecar(verify_rate=1.0, metrics_port=0)
+    # the preloaded tokenizer's private reference was built at load time, not mid-traffic
+    # (building one holds the GIL ~0.3 s), and the sidecar never rebuilds it
+    ref = sc.sidecar.verifier._refs[llama3.hash][0]
+    assert sc.sidecar.verifier.rebuild_every is None
     with Client(sc.path) as c:
         s = c.session("v", text="verify me")
         for piece in (" please", ", twice", " 123"):
@@ -317,6 +321,7 @@ def test_shadow_verifier_checks_served_results(start_sidecar, llama3):
         assert sc.sidecar.verifier.drain(30) is True
         st = c.stats()
         assert (st.verified, st.mismatches) == (5, 0)
+        assert sc.sidecar.verifier._refs[llama3.hash][0] is ref
     body = urllib.request.urlopen(f"http://127.0.0.1:{sc.sidecar.metrics_port}/metrics", timeout=5).read().decode()
     assert "toktier_shadow_checked_total" in body
 
