@@ -80,9 +80,17 @@ class SessionState:
         return P.Sync(text=op.text, **common)
 
     def recovery_text(self, op: PendingOp | None) -> str:
-        """Full text to re-open with after a miss/conflict (only when ``recover`` is on)."""
+        """Full text to re-open with after a miss/conflict (only when ``recover`` is on);
+        the current mapping is dropped (the re-open may land in another segment)."""
         assert self.text is not None
+        self._mapping = None
         return self.text if op is None else op.apply(self.text)
+
+    def close_request(self, rid: int) -> P.Close:
+        """Mark the session closed (its mapping dropped) and build the ``Close`` message."""
+        self.closed = True
+        self._mapping = None
+        return P.Close(id=rid, session=self.session_id)
 
     # ------------------------------------------------------------------- replies
     def accept(self, reply: P.Ids, new_text: str | None) -> Result:
@@ -98,8 +106,30 @@ class SessionState:
             self.text = new_text
         return result_from(reply, mapping)
 
-    def forget_mapping(self) -> None:
-        self._mapping = None
+    def accept_op(self, reply: P.Ids, op: PendingOp) -> Result:
+        """`accept` for the reply to `op` (the mirror, if kept, gets the op applied)."""
+        return self.accept(reply, op.apply(self.text) if self.text is not None else None)
+
+
+class SessionView:
+    """Read-only properties shared by the sync and asyncio session classes."""
+
+    _state: SessionState
+
+    @property
+    def id(self) -> str:
+        return self._state.session_id
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self._state.tokenizer_hash
+
+    @property
+    def text(self) -> str:
+        """The mirrored session text (only with ``recover=True``)."""
+        if self._state.text is None:
+            raise AttributeError("the session text is mirrored only with recover=True")
+        return self._state.text
 
 
 def result_from(reply: P.Ids, mapping: Mapping) -> Result:

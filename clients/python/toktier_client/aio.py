@@ -21,7 +21,7 @@ import os
 import msgspec
 
 from . import protocol as P
-from ._session import PendingOp, SessionState, result_from
+from ._session import PendingOp, SessionState, SessionView, result_from
 from .client import _encode
 from .errors import (
     ConnectionLost,
@@ -247,7 +247,7 @@ class AsyncClient:
         return await self.call(P.ListTokenizers(id=self.next_id()))  # type: ignore[return-value]
 
 
-class AsyncSession:
+class AsyncSession(SessionView):
     """asyncio twin of :class:`toktier_client.client.Session`."""
 
     def __init__(self, client: AsyncClient, state: SessionState) -> None:
@@ -255,20 +255,6 @@ class AsyncSession:
         self._state = state
         self._lock = asyncio.Lock()
         self.last: Result | None = None
-
-    @property
-    def id(self) -> str:
-        return self._state.session_id
-
-    @property
-    def tokenizer_hash(self) -> str:
-        return self._state.tokenizer_hash
-
-    @property
-    def text(self) -> str:
-        if self._state.text is None:
-            raise AttributeError("the session text is mirrored only with recover=True")
-        return self._state.text
 
     async def _open(self, text: str) -> Result:
         reply = await self._client.call(self._state.open_request(self._client.next_id(), text))
@@ -282,11 +268,9 @@ class AsyncSession:
             except (SessionMiss, SessionConflict):
                 if not st.recover:
                     raise
-                st.forget_mapping()
                 self.last = await self._open(st.recovery_text(op))
                 return self.last
-            new_text = op.apply(st.text) if st.text is not None else None
-            self.last = st.accept(reply, new_text)  # type: ignore[arg-type]
+            self.last = st.accept_op(reply, op)  # type: ignore[arg-type]
             return self.last
 
     async def append(self, text: str) -> Result:
@@ -300,7 +284,5 @@ class AsyncSession:
 
     async def close(self) -> bool:
         async with self._lock:
-            self._state.closed = True
-            self._state.forget_mapping()
-            reply = await self._client.call(P.Close(id=self._client.next_id(), session=self._state.session_id))
+            reply = await self._client.call(self._state.close_request(self._client.next_id()))
             return bool(getattr(reply, "existed", False))

@@ -24,7 +24,7 @@ import time
 import msgspec
 
 from . import protocol as P
-from ._session import PendingOp, SessionState, result_from
+from ._session import PendingOp, SessionState, SessionView, result_from
 from .errors import (
     ConnectionLost,
     InvalidText,
@@ -233,7 +233,7 @@ class Client:
         return self.call(P.ListTokenizers(id=self.next_id()))  # type: ignore[return-value]
 
 
-class Session:
+class Session(SessionView):
     """A session bound to one tokenizer.  Each op returns a :class:`Result` whose ``ids`` view
     is valid until the next op on this session."""
 
@@ -241,21 +241,6 @@ class Session:
         self._client = client
         self._state = state
         self.last: Result | None = None
-
-    @property
-    def id(self) -> str:
-        return self._state.session_id
-
-    @property
-    def tokenizer_hash(self) -> str:
-        return self._state.tokenizer_hash
-
-    @property
-    def text(self) -> str:
-        """The mirrored session text (only with ``recover=True``)."""
-        if self._state.text is None:
-            raise AttributeError("the session text is mirrored only with recover=True")
-        return self._state.text
 
     def _open(self, text: str) -> Result:
         reply = self._client.call(self._state.open_request(self._client.next_id(), text))
@@ -268,11 +253,9 @@ class Session:
         except (SessionMiss, SessionConflict):
             if not st.recover:
                 raise
-            st.forget_mapping()
             self.last = self._open(st.recovery_text(op))
             return self.last
-        new_text = op.apply(st.text) if st.text is not None else None
-        self.last = st.accept(reply, new_text)  # type: ignore[arg-type]
+        self.last = st.accept_op(reply, op)  # type: ignore[arg-type]
         return self.last
 
     def append(self, text: str) -> Result:
@@ -288,9 +271,7 @@ class Session:
 
     def close(self) -> bool:
         """Close the session in the sidecar; True if it existed."""
-        self._state.closed = True
-        self._state.forget_mapping()
-        reply = self._client.call(P.Close(id=self._client.next_id(), session=self._state.session_id))
+        reply = self._client.call(self._state.close_request(self._client.next_id()))
         return bool(getattr(reply, "existed", False))
 
     def __enter__(self) -> "Session":
