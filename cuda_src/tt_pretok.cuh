@@ -91,16 +91,21 @@ __device__ inline bool tt_ws_start(const TTBufs* b, int i, int n, int a, int e, 
 // ---- cl100k / Llama-3 / Qwen -----------------------------------------------------------
 // scratch: S0 N-run start, S1 W-run start, S2 W-run last, S3 next non-R W, S4 last R
 
-extern "C" __global__ void __launch_bounds__(TT_THREADS) tt_cl100k_prep(const TTBufs* b) {
-    const int i = tt_gid();
-    const int n = b->meta[TT_META_NCHARS];
-    if (i >= n) return;
-    const uint32_t c = tt_c(b, i, n), p = tt_c(b, i - 1, n), q = tt_c(b, i + 1, n);
+// S0..S4 (cl100k and DeepSeek alike): N-run start, W-run start, W-run last, next non-R W, last R.
+__device__ inline void tt_digit_space_flags(const TTBufs* b, int i, uint32_t c, uint32_t p, uint32_t q) {
     b->S[0][i] = (tt_has(c, TT_N) && !tt_has(p, TT_N)) ? i : -1;
     b->S[1][i] = (tt_has(c, TT_W) && !tt_has(p, TT_W)) ? i : -1;
     b->S[2][i] = (tt_has(c, TT_W) && !tt_has(q, TT_W)) ? i : TT_BIG;
     b->S[3][i] = (tt_has(c, TT_W) && !tt_has(c, TT_R)) ? i : TT_BIG;
     b->S[4][i] = tt_has(c, TT_R) ? i : -1;
+}
+
+extern "C" __global__ void __launch_bounds__(TT_THREADS) tt_cl100k_prep(const TTBufs* b) {
+    const int i = tt_gid();
+    const int n = b->meta[TT_META_NCHARS];
+    if (i >= n) return;
+    const uint32_t c = tt_c(b, i, n), p = tt_c(b, i - 1, n), q = tt_c(b, i + 1, n);
+    tt_digit_space_flags(b, i, c, p, q);
 }
 
 __device__ inline bool tt_cl_join(const TTBufs* b, int s, int n) {
@@ -165,11 +170,7 @@ extern "C" __global__ void __launch_bounds__(TT_THREADS) tt_deepseek_prep(const 
     const int n = b->meta[TT_META_NCHARS];
     if (i >= n) return;
     const uint32_t c = tt_c(b, i, n), p = tt_c(b, i - 1, n), q = tt_c(b, i + 1, n);
-    b->S[0][i] = (tt_has(c, TT_N) && !tt_has(p, TT_N)) ? i : -1;
-    b->S[1][i] = (tt_has(c, TT_W) && !tt_has(p, TT_W)) ? i : -1;
-    b->S[2][i] = (tt_has(c, TT_W) && !tt_has(q, TT_W)) ? i : TT_BIG;
-    b->S[3][i] = (tt_has(c, TT_W) && !tt_has(c, TT_R)) ? i : TT_BIG;
-    b->S[4][i] = tt_has(c, TT_R) ? i : -1;
+    tt_digit_space_flags(b, i, c, p, q);
     const bool lm = ds_LM(c);
     b->S[5][i] = (lm && !(ds_LM(p) && ds_inprev(b, i, n))) ? i : -1;
     b->S[6][i] = (lm && !(ds_LM(q) && ds_inprev(b, i + 1, n))) ? i : TT_BIG;
