@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from toktier.gpu import driver
+from toktier.gpu import cuda_graph, driver
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
 SRC = driver.CUDA_SRC / driver.MAIN_SOURCE
@@ -84,18 +84,16 @@ def test_every_kernel_source_ships_in_the_wheel():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("symbol", sorted(__import__("toktier.gpu.cuda_graph", fromlist=["x"]).SIGNATURES))
+@pytest.mark.parametrize("symbol", sorted(cuda_graph.SIGNATURES))
 def test_graph_capture_calls_match_the_toolkit_header(symbol):
     """cuda_graph.py calls libcuda by ctypes (pycuda has no graph API): each exported symbol
     is what cuda.h maps its public name to, and takes as many arguments as we pass."""
-    from toktier.gpu.cuda_graph import SIGNATURES
-
     roots = [Path(NVCC).resolve().parent.parent, Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))]
     path = next((p for p in (r / "include" / "cuda.h" for r in roots) if p.is_file()), None)
     if path is None:
         pytest.skip(f"no cuda.h under {roots}")
     header = path.read_text(errors="replace")
-    public, args = SIGNATURES[symbol]
+    public, args = cuda_graph.SIGNATURES[symbol]
     # e.g. `#define cuStreamBeginCapture __CUDA_API_PTSZ(cuStreamBeginCapture_v2)`: the plain
     # symbol is the legacy ABI; every mapping of the public name must name our symbol
     maps = re.findall(rf"#define\s+{public}\s+(.*)", header)

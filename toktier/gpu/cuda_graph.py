@@ -29,7 +29,6 @@ SIGNATURES: dict[str, tuple[str, list]] = {
     "cuGraphInstantiateWithFlags": ("cuGraphInstantiate", [ctypes.POINTER(_P), _P, ctypes.c_ulonglong]),
     "cuGraphUpload": ("cuGraphUpload", [_P, _P]),
     "cuGraphLaunch": ("cuGraphLaunch", [_P, _P]),
-    "cuGraphExecDestroy": ("cuGraphExecDestroy", [_P]),
     "cuGraphDestroy": ("cuGraphDestroy", [_P]),
     "cuGetErrorName": ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
 }
@@ -59,7 +58,11 @@ def _check(lib: ctypes.CDLL, rc: int, call: str) -> None:
 
 
 class GraphExec:
-    """An instantiated graph; `launch` replays the captured launches on a stream."""
+    """An instantiated graph; `launch` replays the captured launches on a stream.
+
+    Lives as long as the driver's bucket that captured it (the process): a handful per
+    tokenizer, so it is never destroyed explicitly.
+    """
 
     def __init__(self, lib: ctypes.CDLL, graph: ctypes.c_void_p, exe: ctypes.c_void_p) -> None:
         self._lib, self._graph, self._exe = lib, graph, exe
@@ -70,15 +73,6 @@ class GraphExec:
 
     def launch(self, stream: int) -> None:
         _check(self._lib, self._lib.cuGraphLaunch(self._exe, _P(stream)), "cuGraphLaunch")
-
-    def close(self) -> None:
-        """Free the graph (its context must still be alive; idempotent)."""
-        if self._exe:
-            self._lib.cuGraphExecDestroy(self._exe)
-            self._exe = _P()
-        if self._graph:
-            self._lib.cuGraphDestroy(self._graph)
-            self._graph = _P()
 
 
 def capture(stream: int, run: Callable[[], None], lib: ctypes.CDLL | None = None) -> GraphExec:
