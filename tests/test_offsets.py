@@ -32,8 +32,8 @@ ids_strategy = st.lists(st.integers(0, len(TOKEN_LEN) - 1), max_size=400).map(la
 
 @settings(max_examples=200, deadline=None)
 @given(ids=ids_strategy, splices=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400), ids_strategy),
-                                          max_size=6))
-def test_locate_and_starts_match_the_dense_prefix_sum_through_splices(ids, splices):
+                                          max_size=6), given_lens=st.booleans())
+def test_locate_and_starts_match_the_dense_prefix_sum_through_splices(ids, splices, given_lens):
     off = SparseOffsets(TOKEN_LEN)
     off.rebuild(ids)
     check(off, ids)
@@ -42,7 +42,7 @@ def test_locate_and_starts_match_the_dense_prefix_sum_through_splices(ids, splic
         start_k1 = int(dense_starts(ids)[k1]) if k1 < len(ids) else int(TOKEN_LEN[ids].sum())
         ids = np.concatenate((ids[:k1], mid, ids[k2:])).astype(np.uint32)
         off.reserve_for(len(ids))
-        off.rebuild(ids, k1, start_k1)
+        off.rebuild(ids, k1, start_k1, lens=TOKEN_LEN[ids] if given_lens else None)  # the caller's lengths
         check(off, ids)
 
 

@@ -38,10 +38,12 @@ class SparseOffsets:
         """Allocate for `n_tokens` tokens now (so a later rebuild cannot fail half-way)."""
         self._cp.reserve(-(-n_tokens // STRIDE))
 
-    def rebuild(self, ids: np.ndarray, first_token: int = 0, first_start: int = 0) -> None:
+    def rebuild(self, ids: np.ndarray, first_token: int = 0, first_start: int = 0,
+                lens: np.ndarray | None = None) -> None:
         """Recompute the checkpoints from token `first_token` (whose start is `first_start`) on.
 
         Checkpoints of earlier tokens are kept: a splice never moves the tokens before it.
+        `lens`, when the caller already has it, is the byte length of every token of `ids`.
         """
         j0 = -(-first_token // STRIDE)  # first checkpoint at or after first_token
         b0 = j0 * STRIDE
@@ -49,8 +51,12 @@ class SparseOffsets:
         if b0 >= len(ids):
             self._cp.n = min(self._cp.n, n_cp)
             return
-        start = first_start + int(self._token_len[ids[first_token:b0]].sum(dtype=np.int64))  # token b0
-        lens = self._token_len[ids[b0:]]
+        if lens is None:
+            start = first_start + int(self._token_len[ids[first_token:b0]].sum(dtype=np.int64))  # token b0
+            lens = self._token_len[ids[b0:]]
+        else:
+            start = first_start + int(lens[first_token:b0].sum(dtype=np.int64))
+            lens = lens[b0:]
         pad = -len(lens) % STRIDE
         if pad:
             lens = np.concatenate((lens, np.zeros(pad, dtype=lens.dtype)))

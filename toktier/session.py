@@ -263,7 +263,7 @@ class Session:
                 self._starts.rebuild(ids[:0])
                 self._tiles = False
             else:
-                self._starts.rebuild(ids)
+                self._starts.rebuild(ids, lens=lens)
                 self._tiles = True
         self._ids.assign(ids)
         self._text[:] = new_text
