@@ -315,7 +315,7 @@ def figures(res: dict, fig_dir: str = FIG_DIR) -> list[str]:
 
 
 def markdown(res: dict) -> str:
-    from bench.agent_trace import calls_per_size, latency_table, start_table
+    from bench.agent_trace import latency_table, start_table
 
     L = []
     m = res["machine"]
@@ -332,7 +332,7 @@ def markdown(res: dict) -> str:
 
 
 def _engines_md(eng: dict, key: str) -> list[str]:
-    from bench.agent_trace import latency_table, start_table
+    from bench.agent_trace import calls_per_size, latency_table, start_table
 
     L = []
     if eng:
