@@ -59,12 +59,17 @@ class LiteralIndex:
         encoded = sorted({lit.encode("utf-8") for lit in literals if lit})
         self.max_len = max((len(b) for b in encoded), default=0)
         self._re = re.compile(b"(?=(" + _trie_regex(encoded) + b"))", re.DOTALL) if encoded else None
+        # One plain search first: the lookahead form tries a match at every byte (~20 us per
+        # 2 KB window); most windows hold no literal at all.
+        self._any = re.compile(_trie_regex(encoded), re.DOTALL) if encoded else None
 
     def __bool__(self) -> bool:
         return self._re is not None
 
     def crossed(self, buf: bytes) -> np.ndarray:
         """bool[len(buf)+1]: True at i when an occurrence [a, b) in `buf` has a < i < b."""
+        if self._any is None or self._any.search(buf) is None:
+            return np.zeros(len(buf) + 1, dtype=bool)
         out = np.zeros(len(buf) + 2, dtype=np.int32)
         if self._re is not None:
             for m in self._re.finditer(buf):
