@@ -9,10 +9,10 @@ after q), in the old text and in the new one.  Then every selection the engine c
 make lies wholly left or wholly right of q, the selections right of q are those of
 a scan started at q, and q is a hard boundary.
 
-Occurrences are found with one compiled trie regex under a lookahead, so
-overlapping occurrences (a long literal whose pieces are literals too) are all
-seen.  The longest occurrence at a start position is enough: any shorter one at the
-same start spans a subset of the positions it spans.
+Occurrences are found with one compiled greedy trie regex, searched again from one
+byte after each match start, so overlapping occurrences (a long literal whose pieces
+are literals too) are all seen.  The longest occurrence at a start position is
+enough: any shorter one at the same start spans a subset of the positions it spans.
 
 >>> idx = LiteralIndex(["<|im_start|>", "<|im", "|>"])
 >>> buf = b"ab<|im_start|>cd"
@@ -58,23 +58,21 @@ class LiteralIndex:
     def __init__(self, literals: Iterable[str]) -> None:
         encoded = sorted({lit.encode("utf-8") for lit in literals if lit})
         self.max_len = max((len(b) for b in encoded), default=0)
-        self._re = re.compile(b"(?=(" + _trie_regex(encoded) + b"))", re.DOTALL) if encoded else None
-        # One plain search first: the lookahead form tries a match at every byte (~20 us per
-        # 2 KB window); most windows hold no literal at all.
-        self._any = re.compile(_trie_regex(encoded), re.DOTALL) if encoded else None
+        self._re = re.compile(_trie_regex(encoded), re.DOTALL) if encoded else None
 
     def __bool__(self) -> bool:
         return self._re is not None
 
     def crossed(self, buf: bytes) -> np.ndarray:
         """bool[len(buf)+1]: True at i when an occurrence [a, b) in `buf` has a < i < b."""
-        if self._any is None or self._any.search(buf) is None:
+        m = self._re.search(buf) if self._re is not None else None
+        if m is None:  # most windows: one search at memchr speed
             return np.zeros(len(buf) + 1, dtype=bool)
         out = np.zeros(len(buf) + 2, dtype=np.int32)
-        if self._re is not None:
-            for m in self._re.finditer(buf):
-                a, b = m.start(1), m.end(1)
-                if b - a > 1:
-                    out[a + 1] += 1
-                    out[b] -= 1
+        while m is not None:
+            a, b = m.span()
+            if b - a > 1:
+                out[a + 1] += 1
+                out[b] -= 1
+            m = self._re.search(buf, a + 1)  # the next start, even inside this occurrence
         return np.cumsum(out[: len(buf) + 1]) > 0
