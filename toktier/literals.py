@@ -9,8 +9,8 @@ after q), in the old text and in the new one.  Then every selection the engine c
 make lies wholly left or wholly right of q, the selections right of q are those of
 a scan started at q, and q is a hard boundary.
 
-Occurrences are found with one compiled greedy trie regex, searched again from one
-byte after each match start, so overlapping occurrences (a long literal whose pieces
+Occurrences are found with greedy trie regexes (one per first byte), each searched
+again from one byte after each match start, so overlapping occurrences (a long literal whose pieces
 are literals too) are all seen.  The longest occurrence at a start position is
 enough: any shorter one at the same start spans a subset of the positions it spans.
 
@@ -52,27 +52,40 @@ def _trie_regex(literals: list[bytes]) -> bytes:
     return emit(trie)
 
 
+def first_byte_tries(literals: Iterable[bytes]) -> list[re.Pattern]:
+    """One greedy trie regex per first byte: `re` finds a literal first byte at memchr
+    speed, while one trie over literals with different first bytes is ~10-25x slower."""
+    groups: dict[int, list[bytes]] = {}
+    for lit in sorted(set(literals)):
+        if lit:
+            groups.setdefault(lit[0], []).append(lit)
+    return [re.compile(_trie_regex(g), re.DOTALL) for g in groups.values()]
+
+
 class LiteralIndex:
     """Finds every position that some added-token literal occurrence spans."""
 
     def __init__(self, literals: Iterable[str]) -> None:
-        encoded = sorted({lit.encode("utf-8") for lit in literals if lit})
+        encoded = {lit.encode("utf-8") for lit in literals if lit}
         self.max_len = max((len(b) for b in encoded), default=0)
-        self._re = re.compile(_trie_regex(encoded), re.DOTALL) if encoded else None
+        self._tries = first_byte_tries(encoded)
 
     def __bool__(self) -> bool:
-        return self._re is not None
+        return bool(self._tries)
 
     def crossed(self, buf: bytes) -> np.ndarray:
         """bool[len(buf)+1]: True at i when an occurrence [a, b) in `buf` has a < i < b."""
-        m = self._re.search(buf) if self._re is not None else None
-        if m is None:  # most windows: one search at memchr speed
+        out = None  # most windows hold no literal: one search per first byte, nothing else
+        for trie in self._tries:  # literals with different first bytes never share a start
+            m = trie.search(buf)
+            while m is not None:
+                a, b = m.span()
+                if b - a > 1:
+                    if out is None:
+                        out = np.zeros(len(buf) + 2, dtype=np.int32)
+                    out[a + 1] += 1
+                    out[b] -= 1
+                m = trie.search(buf, a + 1)  # the next start, even inside this occurrence
+        if out is None:
             return np.zeros(len(buf) + 1, dtype=bool)
-        out = np.zeros(len(buf) + 2, dtype=np.int32)
-        while m is not None:
-            a, b = m.span()
-            if b - a > 1:
-                out[a + 1] += 1
-                out[b] -= 1
-            m = self._re.search(buf, a + 1)  # the next start, even inside this occurrence
         return np.cumsum(out[: len(buf) + 1]) > 0

@@ -111,6 +111,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..families import K, L, M, N, W
+from ..literals import first_byte_tries
 from .tables import FOLD_SHIFT, LO, PS, UP
 
 RULES = ("cl100k_hf", "cl100k_tt", "qwen", "o200k", "deepseek")
@@ -470,19 +471,7 @@ class LiteralFinder:
 
     def __init__(self, first: list[tuple[bytes, int]], second: list[tuple[bytes, int]] = ()) -> None:
         self.ids = {c: i for c, i in (*first, *second)}
-        self.passes = [self._groups([c for c, _ in first]), self._groups([c for c, _ in second])]
-
-    @staticmethod
-    def _groups(contents: list[bytes]) -> list:
-        import re
-
-        from ..literals import _trie_regex
-
-        groups: dict[int, list[bytes]] = {}
-        for c in contents:
-            if c:
-                groups.setdefault(c[0], []).append(c)
-        return [re.compile(_trie_regex(sorted(g)), re.DOTALL) for g in groups.values()]
+        self.passes = [first_byte_tries(c for c, _ in first), first_byte_tries(c for c, _ in second)]
 
     @staticmethod
     def _scan(res: list, raw: bytes, lo: int, hi: int) -> list[tuple[int, int]]:
