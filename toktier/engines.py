@@ -1,21 +1,28 @@
 """Reference engines: thin, explicit wrappers over HF `tokenizers` and `tiktoken`.
 
 An engine owns one reference tokenizer object and answers the questions the rest
-of TokTier asks of it: full encodes (the contract's reference), the bytes of every
-token, the added-token literals active in the chosen specials mode, the facts
+of TokTier asks of it: full encodes (the contract's reference), the token table
+(`token_table.py`: bytes per id, read from the engine's own maps, never the file's
+declared ids), the added-token literals active in the chosen specials mode, the facts
 family detection needs (normalizer, pre-tokenizer patterns, model flags), and
 code-point class probes run through the engine's *own* regex engine.
 
-Nothing here decides whether a splice is safe; that is `families.py`.
+Nothing here decides whether a splice is safe; that is `families.py`.  Every encode
+failure of the engine (an exception or a Rust panic) is re-raised as
+`ReferenceEngineError`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import numpy as np
+
+from .errors import ReferenceEngineError
+from .token_table import hf_table, tiktoken_table
 
 Specials = Literal["all", "none"]
 
@@ -33,18 +40,23 @@ def _cps_to_str(cps: np.ndarray) -> str:
     return cps.astype("<u4").tobytes().decode("utf-32-le")
 
 
-def _byte_level_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: byte-level alphabet char -> byte value."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    mapping: dict[int, int] = {b: b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = 256 + extra
-            extra += 1
-    return {chr(cp): b for b, cp in mapping.items()}
+def engine_failure(exc: BaseException) -> bool:
+    """Whether `exc` is the engine's own failure: an exception, or a Rust panic (pyo3's
+    PanicException derives from BaseException, so `except Exception` misses it)."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+def _reference_call(fn):
+    """Re-raise an engine failure inside `fn` as `ReferenceEngineError` (no untyped escape)."""
+    @functools.wraps(fn)
+    def call(self, *args):
+        try:
+            return fn(self, *args)
+        except BaseException as exc:
+            if not engine_failure(exc) or isinstance(exc, ReferenceEngineError):
+                raise
+            raise ReferenceEngineError(f"{self.engine_name} failed in {fn.__name__}: {exc!r}") from exc
+    return call
 
 
 @dataclass(frozen=True)
@@ -90,29 +102,33 @@ class HFEngine:
         self.specials = specials
         with open(path, "rb") as f:
             self._config = json.loads(f.read())
+        # Added tokens as the engine holds them (true ids, flags): never the file's declared ids.
+        self._added = self._tok.get_added_tokens_decoder()
         added = [
-            AddedLiteral(
-                content=t["content"],
-                special=bool(t.get("special", False)),
-                lstrip=bool(t.get("lstrip", False)),
-                rstrip=bool(t.get("rstrip", False)),
-                single_word=bool(t.get("single_word", False)),
-                normalized=bool(t.get("normalized", False)),
-            )
-            for t in self._config.get("added_tokens", [])
+            AddedLiteral(content=a.content, special=bool(a.special), lstrip=bool(a.lstrip), rstrip=bool(a.rstrip),
+                         single_word=bool(a.single_word), normalized=bool(a.normalized))
+            for _, a in sorted(self._added.items())
         ]
         self.literals: tuple[AddedLiteral, ...] = tuple(
             a for a in added if not (specials == "none" and a.special)
         )
-        self.token_bytes, token_problems = self._token_bytes(added)
-        self.ambiguous_ids = np.zeros(0, dtype=np.uint32)
-        self.facts = self._facts(token_problems)
+        try:
+            self.facts = self._facts()
+        except (AttributeError, TypeError, KeyError, ValueError) as exc:  # a shape the engine accepts, we do not
+            self.facts = EngineFacts("tokenizers", "unknown", (), False, (f"configuration not understood ({exc!r})",))
+        self.table = hf_table(self._tok, byte_level=self.facts.byte_level, added=self._added)
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        return self.table.token_bytes
 
     # -- reference encodes -------------------------------------------------
+    @_reference_call
     def encode(self, text: str) -> np.ndarray:
         enc = self._tok.encode(text, add_special_tokens=False)
         return np.asarray(enc.ids, dtype=np.uint32)
 
+    @_reference_call
     def encode_fast(self, text: str) -> np.ndarray:
         """The same IDs as `encode` through the library's offsets-free pipeline.
 
@@ -122,6 +138,7 @@ class HFEngine:
         enc = self._tok.encode_batch_fast([text], add_special_tokens=False)[0]
         return np.asarray(enc.ids, dtype=np.uint32)
 
+    @_reference_call
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Encode many texts; releases the GIL and runs in parallel inside the engine."""
         encs = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
@@ -161,31 +178,12 @@ class HFEngine:
         return n.normalize_str(text) if n is not None else text
 
     # -- internals ----------------------------------------------------------
-    def _token_bytes(self, added: list[AddedLiteral]) -> tuple[list[bytes], list[str]]:
-        model = self._config.get("model", {})
-        vocab: dict[str, int] = model.get("vocab", {}) if isinstance(model.get("vocab"), dict) else {}
-        added_ids = {t["content"]: int(t["id"]) for t in self._config.get("added_tokens", [])}
-        size = max([*vocab.values(), *added_ids.values(), -1]) + 1
-        table: list[bytes] = [b""] * size
-        dec = _byte_level_decoder()
-        problems: list[str] = []
-        bad = 0
-        for s, i in vocab.items():
-            if s in added_ids:
-                continue  # the added token's content is what the text holds
-            try:
-                table[i] = bytes(dec[c] for c in s)
-            except KeyError:
-                bad += 1
-        for content, i in added_ids.items():
-            table[i] = content.encode("utf-8")
-        if bad:
-            problems.append(f"{bad} vocab entries are not byte-level strings")
-        return table, problems
-
-    def _facts(self, token_problems: list[str]) -> EngineFacts:
+    def _facts(self) -> EngineFacts:
+        """What the configuration says (read from the file: the engine exposes no regex/flags API)."""
         cfg = self._config
-        problems = list(token_problems)
+        if not isinstance(cfg, dict):
+            return EngineFacts("tokenizers", "unknown", (), False, ("tokenizer.json is not a JSON object",))
+        problems: list[str] = []
         norm = cfg.get("normalizer")
         if norm is None or (norm.get("type") == "Sequence" and not norm.get("normalizers")):
             normalizer = "none"
@@ -220,6 +218,8 @@ class HFEngine:
                 problems.append(f"BPE option {key}={model.get(key)!r} not proven")
         if model.get("byte_fallback"):
             problems.append("byte_fallback BPE not proven")
+        if not self._tok.pre_tokenizer and not byte_level:
+            problems.append("no pre-tokenizer")
         for lit in self.literals:
             if lit.lstrip or lit.rstrip or lit.single_word:
                 problems.append(f"added token {lit.content!r} uses lstrip/rstrip/single_word")
@@ -255,22 +255,14 @@ class TiktokenEngine:
         self.literals: tuple[AddedLiteral, ...] = (
             tuple(AddedLiteral(content=s, special=True) for s in special_tokens) if specials == "all" else ()
         )
-        size = max([*mergeable_ranks.values(), *special_tokens.values()]) + 1
-        table: list[bytes] = [b""] * size
-        for b, i in mergeable_ranks.items():
-            table[i] = b
-        ambiguous: set[int] = set()
-        for s, i in special_tokens.items():
-            if table[i] and table[i] != s.encode("utf-8"):
-                # Two texts encode to one ID (o200k_harmony: <|endofprompt|> and
-                # <|reserved_200018|>): keep the first; spans through it are verified.
-                ambiguous.add(i)
-                continue
-            table[i] = s.encode("utf-8")
-        self.token_bytes = table
-        self.ambiguous_ids = np.array(sorted(ambiguous), dtype=np.uint32)
-        self.facts = EngineFacts("tiktoken", "none", (pat_str,), True, ())
+        self.table = tiktoken_table(mergeable_ranks, special_tokens if specials == "all" else {})
+        self.facts = EngineFacts("tiktoken", "none", (pat_str,), True, self.table.problems)
 
+    @property
+    def token_bytes(self) -> list[bytes]:
+        return self.table.token_bytes
+
+    @_reference_call
     def encode(self, text: str) -> np.ndarray:
         if self.specials == "all":
             return self._enc.encode_to_numpy(text, allowed_special="all").astype(np.uint32, copy=False)
@@ -278,6 +270,7 @@ class TiktokenEngine:
 
     encode_fast = encode  # tiktoken has no slower offsets-tracking path to skip
 
+    @_reference_call
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         if self.specials == "all":
             out = self._enc.encode_batch(list(texts), allowed_special="all")

@@ -32,3 +32,11 @@ class InvalidEditRange(TokTierError, ValueError):
 
 class InvalidText(TokTierError, ValueError):
     """Text that is not a valid Unicode string (e.g. lone surrogates cannot be UTF-8 encoded)."""
+
+
+class ReferenceEngineError(TokTierError, RuntimeError):
+    """The reference engine itself failed (raised or panicked) on a text or a file.
+
+    TokTier has no answer where its reference has none: the message names the
+    engine's own error.
+    """

@@ -19,10 +19,11 @@ import numpy as np
 
 from . import bundled
 from .charclass import nfc_inert_mask, probe_classes
-from .engines import HFEngine, Specials, TiktokenEngine
+from .engines import HFEngine, Specials, TiktokenEngine, engine_failure
 from .errors import UnknownTokenizer, UnsupportedTokenizer
 from .families import I, Family, detect_family
 from .literals import LiteralIndex
+from .token_table import TokenTable, cross_check
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +43,7 @@ class FrozenTokenizer:
     engine: HFEngine | TiktokenEngine = field(repr=False)
     classes: np.ndarray | None = field(repr=False)  # uint8[0x110000], read-only
     literals: LiteralIndex = field(repr=False)
-    token_len: np.ndarray = field(repr=False)  # uint32 byte length per id, read-only
+    table: TokenTable = field(repr=False)  # per-token bytes and lengths, from the engine
     max_token_bytes: int = 0
 
     @property
@@ -52,7 +53,39 @@ class FrozenTokenizer:
 
     @property
     def token_bytes(self) -> list[bytes]:
-        return self.engine.token_bytes
+        """Canonical bytes of every id (see `toktier.token_table`)."""
+        return self.table.token_bytes
+
+    @property
+    def token_len(self) -> np.ndarray:
+        """uint32 canonical byte length per id, read-only."""
+        return self.table.token_len
+
+    @property
+    def spliceable(self) -> bool:
+        """Whether sessions may repair by splicing (else every op takes the full path)."""
+        return self.family_info is not None
+
+    def explain(self) -> str:
+        """One paragraph: family, whether splicing is enabled and, if not, why.
+
+        >>> print(load_tokenizer("cl100k_base").explain().splitlines()[0])
+        cl100k_base: tiktoken engine, family cl100k, splicing enabled
+        """
+        engine = f"{self.engine.engine_name} engine"
+        if self.family_info is None:
+            head = f"{self.name}: {engine}, no proven family, splicing disabled (every op re-tokenizes the whole text)"
+            lines = [head, f"  why: {self.family_reason}"]
+        else:
+            lines = [f"{self.name}: {engine}, family {self.family}, splicing enabled"]
+        n_unc = int(self.table.uncertain.sum())
+        lines.append(f"  specials={self.specials}, {len(self.table):,} ids, {len(self.engine.literals):,} active "
+                     f"literal(s), longest token {self.max_token_bytes} B, hash {self.hash[:12]}")
+        if self.family_info is not None and n_unc:
+            amb = len(self.table.alternatives)
+            lines.append(f"  {n_unc:,} id(s) without one fixed byte span ({amb:,} ambiguous, the rest unknown/unused): "
+                         "a window that holds one is spliced only when the text proves its span")
+        return "\n".join(lines)
 
     def encode(self, text: str) -> np.ndarray:
         """The reference full tokenization of `text` (uint32)."""
@@ -114,15 +147,23 @@ def load_tokenizer(name_or_path: str | Path, *, specials: Specials = "all", pat_
 
 def _finish(name: str, digest: str, specials: Specials, engine: HFEngine | TiktokenEngine) -> FrozenTokenizer:
     facts = engine.facts
-    family, reason = detect_family(facts.normalizer, facts.split_patterns, facts.byte_level, facts.problems)
-    token_len = np.fromiter((len(b) for b in engine.token_bytes), dtype=np.uint32, count=len(engine.token_bytes))
-    token_len.setflags(write=False)
+    table = engine.table
+    family, reason = detect_family(facts.normalizer, facts.split_patterns, facts.byte_level,
+                                   facts.problems + table.problems)
+    if family is not None:
+        # The table must agree with what the engine emits before any splice relies on it.
+        # HF's batch call is one native call; tiktoken's spawns a thread task per text (slower for probes).
+        batch = engine.encode_batch if engine.engine_name == "tokenizers" else (lambda ts: list(map(engine.encode, ts)))
+        normalize = engine.normalize if family.nfc else None  # NFC families' tokens tile the normalized text
+        mismatches = cross_check(table, batch, (lit.content for lit in engine.literals), normalize)
+        if mismatches:
+            family, reason = None, "token table disagrees with the engine: " + "; ".join(mismatches)
     extra = {I: lambda: nfc_inert_mask(engine.normalize)} if family and family.nfc else None
     classes = probe_classes(engine, family.class_patterns(), digest, extra) if family else None
     return FrozenTokenizer(
         name=name, hash=digest, specials=specials, family_info=family, family_reason=reason, engine=engine,
         classes=classes, literals=LiteralIndex(lit.content for lit in engine.literals),
-        token_len=token_len, max_token_bytes=int(token_len.max()) if len(token_len) else 0,
+        table=table, max_token_bytes=table.max_token_bytes,
     )
 
 
@@ -130,7 +171,9 @@ def _build_hf(name: str, path: Path, specials: Specials) -> FrozenTokenizer:
     raw = path.read_bytes()
     try:
         engine = HFEngine(str(path), specials)
-    except Exception as exc:  # the engine's own parse error, re-typed
+    except BaseException as exc:  # the engine's own parse error (or panic), re-typed
+        if not engine_failure(exc):
+            raise
         raise UnsupportedTokenizer(f"{path}: not a loadable tokenizer.json ({exc})") from exc
     digest = _content_hash(engine.engine_name, engine.version, raw, "", None, specials)
     return _finish(name, digest, specials, engine)
@@ -143,9 +186,29 @@ def _build_tiktoken(name: str, path: Path, pat_str: str, special_tokens: dict[st
         ranks = bundled.load_rank_file(path)
     except ValueError as exc:
         raise UnsupportedTokenizer(f"{path}: not a tiktoken rank file ({exc})") from exc
-    engine = TiktokenEngine(name, pat_str, ranks, special_tokens, specials)
+    _check_rank_file(path, ranks, special_tokens)
+    try:
+        engine = TiktokenEngine(name, pat_str, ranks, special_tokens, specials)
+    except BaseException as exc:  # tiktoken refuses (or panics on) duplicate ranks, bad patterns
+        if not engine_failure(exc):
+            raise
+        raise UnsupportedTokenizer(f"{path}: tiktoken cannot build an encoding from it ({exc})") from exc
     digest = _content_hash(engine.engine_name, engine.version, raw, pat_str, special_tokens, specials)
     return _finish(name, digest, specials, engine)
+
+
+def _check_rank_file(path: Path, ranks: dict[bytes, int], special_tokens: dict[str, int]) -> None:
+    """Refuse rank files on which even tiktoken's full encode has no answer."""
+    missing = [b for b in range(256) if bytes([b]) not in ranks and not (b in (0xC0, 0xC1) or b >= 0xF5)]
+    if missing:
+        shown = ", ".join(f"0x{b:02X}" for b in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise UnsupportedTokenizer(
+            f"{path}: the rank file has no token for {len(missing)} text byte(s) ({shown}); tiktoken panics on "
+            "any text containing one, so no encoding of it can be guaranteed"
+        )
+    bad = [s for s, i in special_tokens.items() if not s or not isinstance(i, int) or i < 0]
+    if bad:
+        raise UnsupportedTokenizer(f"{path}: special tokens need non-empty text and an id >= 0: {bad[:4]!r}")
 
 
 class Registry:

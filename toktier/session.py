@@ -237,12 +237,13 @@ class Session:
         elif not self.fast_path:
             reason = "fast path disabled for this session"
         elif not self._tiles:
-            reason = "token bytes do not tile the text (the normalizer changes it): no splice is provable"
+            reason = ("token bytes do not tile the text (the normalizer changes it, or a token's byte span is "
+                      "unproven): no splice is provable")
         else:
             result = self._repair(s, e, data, dchars)
-            if result is not None:
+            if isinstance(result, OpResult):
                 return result
-            reason = f"no certified splice after {MAX_WIDENINGS} widenings"
+            reason = result
         new_text = bytes(self._text[:s]) + data + bytes(self._text[e:])
         return self._full(new_text, self._nchars + dchars, reason)
 
@@ -274,7 +275,8 @@ class Session:
         self.stats.full_reasons[reason] = self.stats.full_reasons.get(reason, 0) + 1
         return OpResult(self._ids.view(), first_changed, RepairPath.FULL, 0, reason)
 
-    def _repair(self, s: int, e: int, data: bytes, dchars: int) -> OpResult | None:
+    def _repair(self, s: int, e: int, data: bytes, dchars: int) -> OpResult | str:
+        """The spliced result, or why no splice was certified."""
         tok = self.tokenizer
         T = self._text
         n_old = len(T)
@@ -298,6 +300,9 @@ class Session:
             big = len(wtext) >= FullPathConfig.min_parallel_chars
             fresh = encode_full(tok, wtext) if big else tok.encode_fast(wtext)
             self.stats.tokens_retokenized += len(fresh)
+            if tok.table.has_uncertain(fresh) and not tok.table.canonical_spans_ok(fresh, window):
+                # Fresh starts come from canonical lengths: unproven once a token may span other bytes.
+                return "window holds a token whose byte span the text does not prove (see TokenTable)"
             fstarts = _exclusive_cumsum(tok.token_len[fresh], p)
             ctx = _Context(tok, T, s, e, data, p, r, wtext, window)
             left = _Side(True, 0, 0, 0) if p == 0 else self._find_left(ctx, fresh, fstarts)
@@ -307,27 +312,29 @@ class Session:
                 mid = fresh[left.fresh_idx : right.fresh_idx]
                 if self._tiles_exactly(mid, window[left.pos - p : right.pos - p]):
                     return self._commit(s, e, data, dchars, left, right, mid, delta, widenings)
-                return None  # should be unreachable: a certified span must tile
+                return "spliced tokens do not tile the new text (the normalizer changed it)"
             if not left.ok:
                 wl *= 2
             if not right.ok:
                 wr *= 2
-        return None
+        return f"no certified splice after {MAX_WIDENINGS} widenings"
 
     def _tiles_exactly(self, ids: np.ndarray, text: bytes, lens: np.ndarray | None = None) -> bool:
         """Whether the tokens' bytes concatenate to `text`.
 
         Byte-level BPE without a normalizer emits tokens whose bytes are the input's
-        own, so matching lengths prove it; bytes are compared where they can differ:
-        NFC families (the normalizer may rewrite text) and IDs that two literals share.
+        own, so matching lengths prove it for every id with one fixed span; an id
+        that may span other bytes (`TokenTable` "uncertain") is proven by walking the
+        text, and NFC families (the normalizer may rewrite text) compare all bytes.
         """
         tok = self.tokenizer
         if lens is None:
             lens = tok.token_len[ids]
         if int(lens.sum(dtype=np.int64)) != len(text):
             return False
-        amb = tok.engine.ambiguous_ids
-        if tok.family_info.nfc or (len(amb) and bool(np.isin(ids, amb).any())):
+        if tok.table.has_uncertain(ids) and not tok.table.canonical_spans_ok(ids, text):
+            return False
+        if tok.family_info.nfc:
             return b"".join(map(tok.token_bytes.__getitem__, ids.tolist())) == text
         return True
 

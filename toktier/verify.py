@@ -304,6 +304,18 @@ def _tokenizer(name: str):
     return tok
 
 
+def _unknown_tokenizers(names: list[str]) -> list[str]:
+    """Names that are neither bundled nor an existing file, checked before any work starts.
+
+    Units swallow load errors (missing data is a skip, not a failure), so a typo would
+    otherwise yield a green "no divergences in 0 checks" campaign that checked nothing.
+    """
+    from .registry import list_tokenizers
+
+    known = set(list_tokenizers())
+    return [n for n in names if n not in known and not Path(n).is_file()]
+
+
 def run_unit(unit: Unit, opts: Options | None = None) -> UnitResult:
     """Run one work unit (in a worker process, or in-process with --jobs 1)."""
     opts = opts or _OPTS
@@ -365,6 +377,10 @@ def pieces_failures(tok, text: str, sample: np.ndarray | None = None) -> tuple[n
     ids = tok.encode(text)
     starts = _token_starts(tok, ids)
     _, offs = char_byte_offsets(text)
+    if tok.table.has_uncertain(ids) and not tok.table.canonical_spans_ok(ids, text.encode("utf-8")):
+        # Canonical lengths place tokens only up to the first one whose span is unproven.
+        limit = int(starts[int(np.flatnonzero(tok.table.uncertain[ids])[0])])
+        pos, sample = pos[offs[pos] <= limit], sample[offs[sample] <= limit]
     missing = pos[~np.isin(offs[pos], starts)]
     for q in map(int, sample):
         k = int(np.searchsorted(starts, offs[q]))
@@ -864,7 +880,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .registry import list_tokenizers
 
-    names = args.tokenizer.split(",") if args.tokenizer else list_tokenizers()
+    names = [x.strip() for x in args.tokenizer.split(",") if x.strip()] if args.tokenizer else list_tokenizers()
+    bad = _unknown_tokenizers(names) if names else [args.tokenizer]
+    if bad:
+        print(f"toktier verify: unknown tokenizer(s) {', '.join(map(repr, bad))}: neither a bundled name nor "
+              f"a tokenizer file; known: {', '.join(list_tokenizers())}", file=sys.stderr)
+        return 2
     levels = [x.strip() for x in args.levels.split(",") if x.strip()]
     unknown = [x for x in levels if x not in LEVELS]
     if unknown or not levels:

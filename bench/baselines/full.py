@@ -49,7 +49,7 @@ def _tiktoken_source(tok) -> tuple[str, dict[str, int], dict[bytes, int]]:
     pats = [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
     if len(pats) != 1 or cfg.get("normalizer"):
         raise EngineUnavailable("tiktoken needs exactly one split regex and no normalizer")
-    added = {t["content"]: int(t["id"]) for t in cfg.get("added_tokens", [])}
+    added = {c: i for c, i in tok.table.literal_ids.items()}  # the engine's ids, not the file's
     added_ids = set(added.values())
     ranks = {b: i for i, b in enumerate(eng.token_bytes) if b and i not in added_ids}
     return pats[0], added, ranks

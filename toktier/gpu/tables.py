@@ -236,9 +236,9 @@ class BpeTables:
 
 
 def _byte_level_inverse() -> dict[str, int]:
-    from ..engines import _byte_level_decoder
+    from ..token_table import byte_level_alphabet
 
-    return _byte_level_decoder()
+    return byte_level_alphabet()
 
 
 def bpe_tables(tok) -> BpeTables:
