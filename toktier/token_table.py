@@ -268,8 +268,16 @@ def cross_check(table: TokenTable, encode_batch, literal_contents: Iterable[str]
             sample.append(table.token_bytes[i].decode("utf-8"))
         except UnicodeDecodeError:
             continue
-    probes = lits + singles + [s for s in sample if s]
     problems: list[str] = []
+    if lits and _literals_pass_joined(table, encode_batch, lits):
+        lits = []  # all verified in one encode (tiktoken: ~0.3 ms a probe with 1K specials)
+    rest = singles + [s for s in sample if s]
+    joined = "\n".join(rest)
+    (got,) = encode_batch([joined])
+    raw = (normalize(joined) if normalize else joined).encode("utf-8")
+    if len(got) and int(got.max()) < len(table) and table.canonical_spans_ok(got, raw):
+        rest = []  # one encode tiles every byte and sampled token: no need to probe them one by one
+    probes = lits + rest
     results = encode_batch(probes)
     for k, (text, got) in enumerate(zip(probes, results)):
         raw = text.encode("utf-8") if k < len(lits) or normalize is None else normalize(text).encode("utf-8")
@@ -288,3 +296,21 @@ def cross_check(table: TokenTable, encode_batch, literal_contents: Iterable[str]
             problems.append("(further probes not checked)")
             break
     return problems
+
+
+def _literals_pass_joined(table: TokenTable, encode_batch, lits: list[str], sep: str = "\n") -> bool:
+    """Whether every literal, encoded between separators in one text, is exactly its own id.
+
+    Literals are extracted before pre-tokenization, so one alone encodes as it does
+    between separators; any surprise sends the caller to one probe per literal.
+    """
+    joined, sep_ids = encode_batch([sep.join(lits), sep])
+    expected: list[int] = []
+    for k, lit in enumerate(lits):
+        i = table.literal_ids.get(lit)
+        if i is None or i >= len(table) or lit.encode("utf-8") not in (table.token_bytes[i], *table.alternatives.get(i, ())):
+            return False
+        expected.append(i)
+        if k + 1 < len(lits):
+            expected.extend(sep_ids.tolist())
+    return np.array_equal(joined, np.asarray(expected, dtype=joined.dtype))
