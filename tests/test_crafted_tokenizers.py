@@ -264,3 +264,36 @@ def test_verify_checks_on_crafted_rank_files(name, built, material):
             assert not len(missing) and not bad, (name, text)
         done, bad_op, detail = verify.replay_ops(tok, verify.repair_ops(rng, text, 10), 64)
         assert bad_op is None, (name, detail)
+
+
+GPU_VARIANTS = ("gap-id", "vocab-word-special", "byte-char-plain", "latin1-char", "reversed-list", "id-override",
+                "overlapping-literals", "prefix-literals", "dup-vocab-id", "qwen3-gap-and-latin1", "deepseek-reversed",
+                "tt-special-collides-rank", "tt-overlapping-specials", "tt-shared-id", "tt-special-is-text")
+
+
+@pytest.mark.parametrize("name", GPU_VARIANTS)
+def test_gpu_host_model_on_crafted_files(name, built, material, monkeypatch):
+    """The GPU path's host models either reproduce the reference on a crafted file or decline it,
+    and a declined file is one they would get wrong (the gate is not vacuous)."""
+    from toktier.gpu import bpe_model, tables
+
+    variant = next(v for v in VARIANTS if v.name == name)
+    tok = toktier.load_tokenizer(**built(variant))
+    ref = reference(built(variant), "all")
+    rng = random.Random(zlib.crc32(name.encode()))
+
+    def texts(n: int):
+        for _ in range(n):
+            text = "".join(_pieces(rng, material, variant.literals) for _ in range(30))
+            # The router sends NFC families NFC-stable text only.
+            yield tok.engine.normalize(text) if tok.family_info.nfc else text
+
+    gap = tables.model_gap(tok)
+    if gap is None:
+        assert tables.rules_for(tok) is not None
+        for text in texts(12):
+            assert np.array_equal(bpe_model.encode(tok, text), ref(text)), name
+        return
+    assert tables.rules_for(tok) is None, f"{name}: {gap}, yet the GPU model would take it"
+    monkeypatch.setattr(tables, "model_gap", lambda tok: None)
+    assert any(not np.array_equal(bpe_model.encode(tok, t), ref(t)) for t in texts(60)), f"{name}: gate vacuous"

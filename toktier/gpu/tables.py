@@ -77,13 +77,48 @@ def rules_for(tok) -> str | None:
     "qwen" (single digits), "o200k", "deepseek".
     """
     fam = tok.family_info
-    if fam is None:
+    if fam is None or model_gap(tok) is not None:
         return None
     if fam.name == "cl100k":
         return "cl100k_tt" if tok.engine.facts.split_patterns == (_CL100K_TIKTOKEN,) else "cl100k_hf"
     if fam.name in ("qwen", "o200k", "deepseek"):
         return fam.name
     return None
+
+
+def model_gap(tok) -> str | None:
+    """Why the GPU model cannot reproduce `tok` exactly (None: it can); cached per tokenizer.
+
+    The model looks BPE results up by their bytes and splits literals leftmost-longest, so
+    it declines (a) a vocab or rank whose id has another canonical spelling in the token
+    table (two vocab strings for one id; a special shorter than the rank it shares an id
+    with) and (b) tiktoken specials of which one is a prefix of another: tiktoken picks
+    among them by its own alternation order, not by length.
+    """
+    d = derived(tok)
+    if "model_gap" in d:
+        return d["model_gap"]
+    eng, tb = tok.engine, tok.token_bytes
+    gap = None
+    if eng.engine_name == "tiktoken":
+        ranks: dict[bytes, int] = eng._args[2]
+        if any(tb[i] != b for b, i in ranks.items()):
+            gap = "a rank shares its id with a shorter special token"
+        elif _prefix_related([lit.content for lit in eng.literals]):
+            gap = "a special token is a prefix of another (tiktoken picks by alternation order, not length)"
+    else:
+        vocab = eng._tok.get_vocab(with_added_tokens=False)
+        if len(set(vocab.values())) != len(vocab):
+            gap = "two vocab strings share an id"
+    d["model_gap"] = gap
+    return gap
+
+
+def _prefix_related(literals: list[str]) -> bool:
+    """Whether one literal is a proper prefix of another: the only case in which a leftmost-first
+    alternation and the model's leftmost-longest choice can differ (both take the earliest start)."""
+    lits = sorted(set(literals))
+    return any(b.startswith(a) for a, b in zip(lits, lits[1:]))  # a prefix sorts right before an extension
 
 
 def probe_table(prober, base: np.ndarray | None = None, patterns: dict[int, str] | None = None) -> np.ndarray:
