@@ -23,6 +23,8 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import toktier
 import toktier.engines
@@ -297,3 +299,35 @@ def test_gpu_host_model_on_crafted_files(name, built, material, monkeypatch):
     assert tables.rules_for(tok) is None, f"{name}: {gap}, yet the GPU model would take it"
     monkeypatch.setattr(tables, "model_gap", lambda tok: None)
     assert any(not np.array_equal(bpe_model.encode(tok, t), ref(t)) for t in texts(60)), f"{name}: gate vacuous"
+
+
+_LOADED_CRAFTED: dict[str, tuple] = {}
+HYPOTHESIS_VARIANTS = ("byte-char-plain", "latin1-char", "overlapping-literals", "dup-vocab-id",
+                       "tt-special-collides-rank", "tt-overlapping-specials")
+
+
+@pytest.mark.parametrize("name", HYPOTHESIS_VARIANTS)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_sessions_on_crafted_files_property(name, built, data, tally):
+    """Hypothesis: any ops over the variant's spellings, literal fragments and adversarial atoms stay exact."""
+    if name not in _LOADED_CRAFTED:
+        variant = next(v for v in VARIANTS if v.name == name)
+        kwargs = built(variant)
+        _LOADED_CRAFTED[name] = (variant, toktier.load_tokenizer(**kwargs), reference(kwargs, "all"))
+    variant, tok, ref = _LOADED_CRAFTED[name]
+    frags = [lit[:k] for lit in variant.literals for k in range(1, len(lit))] + [
+        lit[k:] for lit in variant.literals for k in range(1, len(lit))]
+    atom = st.sampled_from(list(variant.literals) + frags + list(ADVERSARIAL_ATOMS) + ["word ", " the", "\n"])
+    text = st.lists(atom, max_size=12).map("".join)
+    s = toktier.Session(tok, data.draw(st.lists(atom, min_size=20, max_size=120).map("".join)), window=64)
+    for _ in range(data.draw(st.integers(1, 8))):
+        n = s.num_chars
+        a = data.draw(st.integers(0, n))
+        b = data.draw(st.integers(a, min(n, a + 8)))
+        if data.draw(st.booleans()):
+            s.append(data.draw(text))
+        else:
+            s.edit(a, b, data.draw(text))
+        assert np.array_equal(s.ids, ref(s.text)), (name, s.text)
+        tally(tok, "crafted", 1)
