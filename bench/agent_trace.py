@@ -320,7 +320,7 @@ def bench_adversarial(tok_name: str = "llama3", n_sessions: int = 40, calls: int
     grown by appends cut at *arbitrary* characters (mid-word, mid-number, mid-whitespace-run,
     inside an added-token literal, between a base character and its combining mark) plus a few
     mid-text edits.  Every engine's IDs are compared with a reference encode on every call."""
-    from toktier.corpus import samples
+    from toktier.tools.corpus import samples
 
     tok = toktier.load_tokenizer(tok_name)
     rng = random.Random(f"adversarial:{seed}")

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from toktier import load_tokenizer
-from toktier.corpus import large_text
+from toktier.tools.corpus import large_text
 from toktier.fullpath import encode_full
 
 

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import toktier  # noqa: E402
-from toktier.corpus import large_text  # noqa: E402
+from toktier.tools.corpus import large_text  # noqa: E402
 from toktier.fullpath import encode_full  # noqa: E402
 from toktier.gpu import driver as gpu_driver  # noqa: E402
 

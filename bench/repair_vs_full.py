@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from toktier import RepairPath, Session, load_tokenizer
-from toktier.corpus import large_text
+from toktier.tools.corpus import large_text
 from toktier.errors import TokenizerDataMissing
 
 SIZES = (100_000, 300_000, 1_000_000, 2_000_000, 4_000_000)

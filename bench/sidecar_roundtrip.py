@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 
 import toktier
-from toktier.corpus import large_text
+from toktier.tools.corpus import large_text
 from toktier_client import Client
 from toktier_client.shm import Mapping
 

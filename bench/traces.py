@@ -16,7 +16,7 @@ of agent traffic (the numbers are parameters of :class:`TraceConfig`):
   messages, assistant tool calls (sometimes with a ``<think>`` block that the template drops when
   the next user turn arrives: a non-append *edit*), tool results.
 
-The texts come from real material shipped by installed packages (:func:`toktier.corpus.large_text`:
+The texts come from real material shipped by installed packages (:func:`toktier.tools.corpus.large_text`:
 CPython sources, the Python reference manual, JSON metadata, logs, multilingual Faker data).  A
 trace file stores, per call, only where its text comes from (offsets into a per-session material
 stream, itself a pure function of the session seed), so files stay small and every text is
@@ -45,7 +45,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from toktier.corpus import chat_wrap, large_text
+from toktier.tools.corpus import chat_wrap, large_text
 
 __all__ = ["TraceConfig", "Renderer", "Call", "generate_mixture", "generate_stratified", "write", "read",
            "replay", "family_template"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from toktier.corpus import ADVERSARIAL_ATOMS
+from toktier.tools.corpus import ADVERSARIAL_ATOMS
 
 ATOMS = list(ADVERSARIAL_ATOMS)
 

@@ -101,7 +101,7 @@ def _trained(model: str) -> Callable[[Path], dict]:
     def build(d: Path) -> dict:
         from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-        from toktier import corpus
+        from toktier.tools import corpus
 
         text = [s.text[:3000] for s in corpus.samples(3000, seed=0)]
         if model == "metaspace-bpe":

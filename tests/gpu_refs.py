@@ -16,7 +16,8 @@ import numpy as np
 import regex
 
 from toktier.engines import all_code_points
-from toktier.gpu.tables import probe_table
+from toktier.charclass import probe_table
+from toktier.families import TABLE_PATTERNS
 
 
 class RegexProber:
@@ -37,7 +38,7 @@ class RegexProber:
 
 @functools.lru_cache(maxsize=1)
 def regex_table() -> np.ndarray:
-    return probe_table(RegexProber())
+    return probe_table(RegexProber(), TABLE_PATTERNS, folds=True)
 
 
 @functools.lru_cache(maxsize=8)

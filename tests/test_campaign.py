@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ALL_TOKENIZERS, get_tokenizer
 from test_session import random_ops, replay
-from toktier.corpus import samples
+from toktier.tools.corpus import samples
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The real-text corpus used by differential tests and benchmarks (toktier.corpus)."""
+"""The real-text corpus used by differential tests and benchmarks (toktier.tools.corpus)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from toktier import corpus
-from toktier.corpus import CATEGORIES, LARGE_KINDS, Sample, chat_wrap, large_text, samples
+from toktier.tools import corpus
+from toktier.tools.corpus import CATEGORIES, LARGE_KINDS, Sample, chat_wrap, large_text, samples
 
 CJK_IDEOGRAPH = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f]")
 ARABIC_LETTER = re.compile("[\u0621-\u064a]")
@@ -185,7 +185,7 @@ def test_import_is_lazy():
     import sys
 
     code = (
-        "import sys, toktier.corpus; "
+        "import sys, toktier.tools.corpus; "
         "print(any(m in sys.modules for m in ('faker', 'emoji', 'pydoc_data.topics')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

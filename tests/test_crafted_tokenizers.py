@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import toktier
 import toktier.engines
-from toktier.corpus import ADVERSARIAL_ATOMS, samples
+from toktier.tools.corpus import ADVERSARIAL_ATOMS, samples
 from toktier.errors import TokTierError, UnsupportedTokenizer
 
 from crafted import VARIANTS, Variant, declared_id_table
@@ -235,7 +235,7 @@ VERIFY_VARIANTS = ("gap-id", "byte-char-plain", "dup-vocab-id", "overlapping-lit
 @pytest.mark.parametrize("name", VERIFY_VARIANTS)
 def test_verify_on_crafted_files(name, built, tmp_path):
     """`toktier verify` on crafted files: clean exit, no untyped exception, no divergence."""
-    from toktier import verify
+    from toktier.tools import verify
 
     variant = next(v for v in VARIANTS if v.name == name)
     path = built(variant)["name_or_path"]
@@ -253,7 +253,7 @@ def test_verify_checks_on_crafted_rank_files(name, built, material):
     """The verify campaign's piece and replay checks (what `toktier verify` runs) on crafted rank files."""
     import random as _random
 
-    from toktier import verify
+    from toktier.tools import verify
 
     variant = next(v for v in VARIANTS if v.name == name)
     kwargs = built(variant)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from toktier import charclass
+from toktier.families import GpuRules
 from toktier.gpu import cuda_graph, driver
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
@@ -52,7 +54,7 @@ class _FakeBucket:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("rules", ["cl100k_hf", "cl100k_tt", "qwen", "o200k", "deepseek"])
+@pytest.mark.parametrize("rules", list(GpuRules), ids=str)
 def test_driver_launches_only_existing_kernels(cubin, rules):
     tk = driver._Tok(rules=rules, arrays={}, struct=1, literal_re=None, literal_ids={})
     launches = driver.GpuDriver._launches(None, _FakeBucket(), tk)  # type: ignore[arg-type]
@@ -70,6 +72,12 @@ def test_struct_layout_matches_header():
     assert f"#define TT_NSCRATCH {driver.NSCRATCH}" in hdr
     for name, slot in driver.META.items():
         assert re.search(rf"#define TT_META_{name} {slot}\b", hdr), name
+    # the class-table bits the kernels read are charclass's layout
+    for name in ("L", "N", "M", "W", "K", "UP", "LO", "PS"):
+        assert re.search(rf"#define TT_{name} {getattr(charclass, name)}u\b", hdr), name
+    assert f"#define TT_FOLD_SHIFT {charclass.FOLD_SHIFT}" in hdr
+    assert "cls_table[cp] & 0xFFFFu" in (driver.CUDA_SRC / "tt_pretok.cuh").read_text()  # NFC_INERT unseen
+    assert charclass.NFC_INERT > 0xFFFF
 
 
 def test_every_kernel_source_ships_in_the_wheel():

@@ -20,7 +20,7 @@ import pytest
 
 from adversarial import ATOMS
 from conftest import ALL_TOKENIZERS, get_tokenizer
-from toktier.corpus import chat_wrap, samples
+from toktier.tools.corpus import chat_wrap, samples
 
 gpu_emu = pytest.importorskip("gpu_emu")
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from adversarial import adversarial_text
 from conftest import ALL_TOKENIZERS, HF_TOKENIZERS, get_tokenizer
 from toktier.boundaries import char_byte_offsets, stable_char_positions
-from toktier.corpus import samples
+from toktier.tools.corpus import samples
 
 SUFFIX = "Zq 9\n"  # arbitrary continuation for the left-side independence check
 
@@ -187,3 +187,21 @@ def test_nfc_splits_at_inert_pairs(u, v, tally):
     if c[ord(u[-1])] & I and c[ord(v[0])] & I:
         assert tok.engine.normalize(text) == tok.engine.normalize(u) + tok.engine.normalize(v)
         tally(tok, "nfc")
+
+
+def test_each_family_is_one_module_and_the_docstrings_run():
+    """Every family module declares one SPEC whose patterns the registry recognizes; `>>>` lines hold."""
+    import doctest
+
+    from toktier import bundled, boundaries, charclass, families
+    from toktier.families import base, cl100k, deepseek, o200k, qwen
+
+    for mod in (cl100k, qwen, o200k, deepseek):
+        assert families.FAMILIES[mod.SPEC.name] is mod.SPEC and "Stable-boundary table" in mod.__doc__
+        for splits in mod.SPEC.splits:
+            fam, why = families.detect_family("none", splits, True, ())
+            assert why is None and fam.name == mod.SPEC.name and fam.exclude_k_pairs == mod.SPEC.exclude_k_pairs
+    assert bundled.CL100K_PAT is cl100k.CL100K_TIKTOKEN and bundled.O200K_PAT is o200k.O200K
+    for mod in (families, base, charclass, boundaries):
+        res = doctest.testmod(mod)
+        assert res.failed == 0 and res.attempted > 0, mod.__name__

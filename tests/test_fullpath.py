@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from adversarial import ATOMS
 from conftest import ALL_TOKENIZERS, get_tokenizer
-from toktier.corpus import large_text, samples
+from toktier.tools.corpus import large_text, samples
 from toktier.fullpath import FullPathConfig, chunk_cuts, encode_full
 
 SMALL = FullPathConfig(chunk_chars=64, min_parallel_chars=0)

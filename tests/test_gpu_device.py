@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from adversarial import ATOMS
 from conftest import ALL_TOKENIZERS, get_tokenizer
-from toktier.corpus import chat_wrap, large_text, samples
+from toktier.tools.corpus import chat_wrap, large_text, samples
 from toktier.gpu import driver as gpu_driver
 
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ reference pre-tokenizer's (HF engines expose theirs; the tiktoken-form patterns
 are run through the ``regex`` module with a class table probed from ``regex``,
 see ``gpu_refs.py``).  ID level: the host models' IDs equal the reference encode
 (tiktoken and HF, production class tables probed from each engine), and the
-spans tile the text.  Real multilingual text from ``toktier.corpus`` and
+spans tile the text.  Real multilingual text from ``toktier.tools.corpus`` and
 adversarial text from ``adversarial.py``.
 """
 
@@ -21,12 +21,16 @@ from hypothesis import strategies as st
 from adversarial import ATOMS
 from conftest import ALL_TOKENIZERS, HF_TOKENIZERS, get_tokenizer
 from gpu_refs import regex_pieces, regex_table
-from toktier.corpus import chat_wrap, large_text, samples
-from toktier.families import _CL100K_HF, _CL100K_TIKTOKEN, _O200K, _QWEN
+from toktier.tools.corpus import chat_wrap, large_text, samples
+from toktier.charclass import FOLD_SHIFT, LO, UP
+from toktier.families import FAMILIES, GpuRules
+from toktier.families.o200k import O200K
 from toktier.gpu import bpe_model, pretok_model, router, tables
 from toktier.gpu.pretok_model import segment_pieces, split_literals
 
-REGEX_RULES = {"cl100k_tt": _CL100K_TIKTOKEN, "cl100k_hf": _CL100K_HF, "o200k": _O200K, "qwen": _QWEN}
+# Rule sets modelling one regex (all but DeepSeek's three stages), from the family modules.
+REGEX_RULES = {str(rules): splits[0] for spec in FAMILIES.values() for splits, rules in spec.splits.items()
+               if len(splits) == 1}
 
 # Atoms that sit on the o200k/cl100k rules beyond ATOMS: marks, Lm/Lo/Lt letters, slashes, contractions.
 EXTRA = ["'", "'s", "'re", "'LL", "ſ", "/", "//", "\u0301", "\u0300", "ǅ", "ʰ", "あ", "ー", "・", "A", "a", "\n",
@@ -118,15 +122,15 @@ def test_pieces_equal_regex_on_adversarial_text(rules, text):
     (" \u0301ABC", [" \u0301", "ABC"]),
 ])
 def test_o200k_rules_examples(text, pieces):
-    got = segment_pieces(text, regex_table(), "o200k")
+    got = segment_pieces(text, regex_table(), GpuRules.O200K)
     assert [text[a:b] for a, b in got] == pieces
-    assert got == regex_pieces(_O200K, text)
+    assert got == regex_pieces(O200K, text)
 
 
 def test_tiktoken_form_differs_at_trailing_whitespace():
     text = "x \n  "
-    hf = segment_pieces(text, regex_table(), "cl100k_hf")
-    tt = segment_pieces(text, regex_table(), "cl100k_tt")
+    hf = segment_pieces(text, regex_table(), GpuRules.CL100K_HF)
+    tt = segment_pieces(text, regex_table(), GpuRules.CL100K_TT)
     assert [text[a:b] for a, b in hf] == ["x", " \n", "  "]
     assert [text[a:b] for a, b in tt] == ["x", " \n  "]
 
@@ -188,10 +192,60 @@ def test_class_table_layout():
     tok = get_tokenizer("o200k_base")
     tbl = tables.class_table(tok)
     assert tbl.dtype == np.uint32 and tbl.shape == (0x110000,)
-    assert (tbl[ord("A")] & tables.UP) and not (tbl[ord("A")] & tables.LO)
-    assert (tbl[ord("あ")] & tables.UP) and (tbl[ord("あ")] & tables.LO)
-    assert (tbl[ord("ſ")] >> tables.FOLD_SHIFT) & 0xFF == ord("s")
+    assert (tbl[ord("A")] & UP) and not (tbl[ord("A")] & LO)
+    assert (tbl[ord("あ")] & UP) and (tbl[ord("あ")] & LO)
+    assert (tbl[ord("ſ")] >> FOLD_SHIFT) & 0xFF == ord("s")
     assert np.array_equal(tbl & 0x0F, tok.classes & 0x0F)
+
+
+def test_one_probe_one_cache_adds_missing_bits(tmp_path, monkeypatch):
+    """The splice path probes its bits; the GPU's are added to the same cached table later, once."""
+    from toktier import charclass as C
+
+    monkeypatch.setenv("TOKTIER_CACHE_DIR", str(tmp_path))
+    calls: list[str] = []
+
+    def mask(pattern):
+        return np.arange(0x110000) % (len(pattern) + 1) == 0
+
+    class Prober:
+        def probe_class(self, pattern):
+            calls.append(pattern)
+            return mask(pattern)
+
+    nfc = np.arange(0x110000) % 7 == 0
+    host = C.probe_classes(Prober(), {C.L: r"\p{L}", C.W: r"\s"}, "tok", {C.HOST_I: lambda: nfc})
+    assert calls == [r"\p{L}", r"\s"] and host.dtype == np.uint8
+    assert np.array_equal((host & C.HOST_I) != 0, nfc) and np.array_equal((host & C.L) != 0, mask(r"\p{L}"))
+    full = C.class_table(Prober(), "tok", {C.L: r"\p{L}", C.W: r"\s", C.UP: "[up]"}, folds=True)
+    assert calls[2:] == ["[up]"] + [f"(?i:{c})" for c in C.CONTRACTION_LETTERS]  # only the missing bits
+    assert np.array_equal((full & C.NFC_INERT) != 0, nfc) and np.array_equal((full & C.UP) != 0, mask("[up]"))
+    del calls[:]
+    again = C.probe_classes(Prober(), {C.L: r"\p{L}", C.W: r"\s"}, "tok", {C.HOST_I: lambda: nfc})
+    assert calls == [] and np.array_equal(again, host)
+    assert [p.name for p in tmp_path.iterdir()] == ["classes"]
+    assert [p.name for p in (tmp_path / "classes").iterdir()] == [f"tok-{C.TABLE_VERSION}.npz"]
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_one_class_table_serves_predicate_and_gpu(name):
+    """The GPU table extends the predicate's (same probe, same cache): its host view is tok.classes."""
+    from toktier.charclass import HOST_I, K, L, M, N, W, host_view
+
+    tok = get_tokenizer(name)
+    tbl = tables.class_table(tok)
+    want = L | N | M | W | (K if tok.family_info.exclude_k_pairs else 0) | (HOST_I if tok.family_info.nfc else 0)
+    assert np.array_equal(host_view(tbl, want), tok.classes)
+    assert (tbl[ord("中")] & K) != 0 if tok.family_info.exclude_k_pairs else (tbl & K).max() == 0
+
+
+@pytest.mark.parametrize("name, rules", [("cl100k_base", GpuRules.CL100K_TT), ("o200k_base", GpuRules.O200K),
+                                         ("llama3", GpuRules.CL100K_HF), ("deepseek_v4", GpuRules.DEEPSEEK),
+                                         ("qwen3", GpuRules.QWEN)])
+def test_rule_ids_come_from_the_family_modules(name, rules):
+    assert sorted(REGEX_RULES) == ["cl100k_hf", "cl100k_tt", "o200k", "qwen"]
+    assert pretok_model.supported_rules() == ("cl100k_hf", "cl100k_tt", "qwen", "o200k", "deepseek")
+    assert tables.rules_for(get_tokenizer(name)) is rules
 
 
 # -- router (no GPU here: CPU, same output) ------------------------------------------------

@@ -31,7 +31,7 @@ def test_encode_fast_returns_the_reference_encode(name, specials):
     """The repair hot path's offsets-free call gives `encode`'s IDs on real and adversarial text."""
     import random
 
-    from toktier.corpus import ADVERSARIAL_ATOMS, samples
+    from toktier.tools.corpus import ADVERSARIAL_ATOMS, samples
 
     tok = get_tokenizer(name, specials)
     rng = random.Random(7)
@@ -161,10 +161,13 @@ def test_registry_keeps_versions_side_by_side_and_immutable(tmp_path):
 
 def test_class_table_is_cached_on_disk_by_hash(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKTIER_CACHE_DIR", str(tmp_path))
+    from toktier.charclass import TABLE_VERSION, L, M, N, W, host_view
+
     tok = toktier.load_tokenizer("cl100k_base")
-    cached = tmp_path / "classes" / f"{tok.hash}.npy"
-    assert cached.is_file()
-    assert np.array_equal(np.load(cached), tok.classes)
+    cached = tmp_path / "classes" / f"{tok.hash}-{TABLE_VERSION}.npz"
+    assert cached.is_file() and [p.name for p in tmp_path.iterdir()] == ["classes"]
+    with np.load(cached) as z:
+        assert np.array_equal(host_view(z["table"], L | N | M | W), tok.classes)
 
 
 def test_classes_come_from_the_engine():

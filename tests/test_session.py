@@ -22,7 +22,7 @@ import toktier
 from adversarial import adversarial_text, nonempty_adversarial_text
 from conftest import ALL_TOKENIZERS, get_tokenizer
 from toktier import InvalidEditRange, InvalidText, RepairPath, Session
-from toktier.corpus import large_text, samples
+from toktier.tools.corpus import large_text, samples
 
 
 SEED_SALT = os.environ.get("TOKTIER_TEST_SEED", "0")  # vary to explore; printed on failure

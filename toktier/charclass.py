@@ -1,19 +1,61 @@
-"""Per-code-point character classes probed out of the reference engine.
+r"""Per-code-point character classes probed out of the reference engine.
 
 Python's `unicodedata` is not the reference: its Unicode version differs from the
 one compiled into Oniguruma (HF `tokenizers`) or the Rust `regex` crate
 (tiktoken), and ~10K code points change class between versions.  So each class
 bit is computed by running the class regex through the engine itself over every
 code point, and the table is cached on disk keyed by the tokenizer hash.
+
+One table per tokenizer, one probe (`probe_table`), one disk cache (`class_table`:
+``$TOKTIER_CACHE_DIR/classes/<tokenizer hash>-<TABLE_VERSION>.npz``).  The table is
+``uint32[0x110000]``, one word per code point; which pattern sets each bit is declared
+by the families (``families/``), the bit positions here:
+
+====== ================================================ ==============================
+bits   meaning (every bit probed from the engine)       read by
+====== ================================================ ==============================
+0      L  = ``\p{L}``                                   predicate, GPU
+1      N  = ``\p{N}``                                   predicate, GPU
+2      M  = ``\p{M}``                                   predicate, GPU
+3      W  = ``\s``                                      predicate, GPU
+4      K  = DeepSeek's CJK/kana run class               predicate (DeepSeek), GPU
+5      UP = ``[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]`` (o200k)  GPU
+6      LO = ``[\p{Ll}\p{Lm}\p{Lo}\p{M}]`` (o200k)        GPU
+7      PS = ``[\p{P}\p{S}]`` (DeepSeek)                 GPU
+8-15   contraction fold: the ASCII letter c in          GPU
+       ``sdmtrevl`` with ``(?i:c)`` matching this code
+       point (``S``, ``ſ`` -> ``s``), else 0
+16     NFC_INERT (`nfc_inert_mask`; NFC families only)  predicate (NFC families)
+====== ================================================ ==============================
+
+The GPU kernels read bits 0-15 (``cuda_src/tt_common.cuh`` masks the rest); the
+stable-boundary predicate reads the ``uint8`` *host view* (`host_view`): bits 0-4
+as above and NFC_INERT as bit 5 (``families.I``).  A request probes only the bits
+its caller names; the cache records which bits were probed, so the GPU's bits
+(about 2 s of probing for an HF engine) are added to the cached table the first
+time the GPU path asks for them, never by a process that only splices.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
+
+L, N, M, W, K = 1, 2, 4, 8, 16
+UP, LO, PS = 1 << 5, 1 << 6, 1 << 7
+FOLD_SHIFT = 8
+FOLD = 0xFF << FOLD_SHIFT
+NFC_INERT = 1 << 16
+CONTRACTION_LETTERS = "sdmtrevl"  # the letters of the contraction suffixes 's 't 're 've 'm 'll 'd
+TABLE_VERSION = "v2"
+
+# Host view (uint8): table bit -> host bit.  I (NFC-inert) moves from bit 16 to bit 5.
+HOST_I = 1 << 5
+_TABLE_BITS = {L: L, N: N, M: M, W: W, K: K, HOST_I: NFC_INERT}
+assert NFC_INERT >> 11 == HOST_I
 
 
 class _Prober(Protocol):
@@ -78,27 +120,100 @@ def nfc_inert_mask(normalize) -> np.ndarray:
     return mask
 
 
-def probe_classes(engine: _Prober, patterns: dict[int, str], key: str, extra: dict | None = None) -> np.ndarray:
-    """uint8[0x110000] of OR-ed class bits; read from / written to the disk cache."""
-    path = cache_dir() / "classes" / f"{key}.npy"
-    try:
-        table = np.load(path, allow_pickle=False)
-        if table.shape == (0x110000,) and table.dtype == np.uint8:
-            table.setflags(write=False)
-            return table
-    except (OSError, ValueError):
-        pass
-    table = np.zeros(0x110000, dtype=np.uint8)
+def probe_table(prober: _Prober, patterns: dict[int, str], *, folds: bool = False,
+                extra: dict[int, Callable[[], np.ndarray]] | None = None,
+                table: np.ndarray | None = None) -> np.ndarray:
+    """The one probe: uint32[0x110000] with each pattern's code points OR-ed in at its bit.
+
+    `prober.probe_class(pattern)` is a bool mask over code points (an engine, or a
+    test's `regex` module prober); `extra` maps bits to mask builders (NFC_INERT);
+    `folds` sets the contraction-fold byte (bits 8-15).  Adds to `table` when given.
+    """
+    if table is None:
+        table = np.zeros(0x110000, dtype=np.uint32)
     for bit, pattern in patterns.items():
-        table[engine.probe_class(pattern)] |= np.uint8(bit)
+        table[prober.probe_class(pattern)] |= np.uint32(bit)
     for bit, make_mask in (extra or {}).items():
-        table[make_mask()] |= np.uint8(bit)
+        table[make_mask()] |= np.uint32(bit)
+    if folds:
+        for ch in CONTRACTION_LETTERS:
+            mask = prober.probe_class(f"(?i:{ch})")
+            table[mask] = (table[mask] & np.uint32(~FOLD & 0xFFFFFFFF)) | np.uint32(ord(ch) << FOLD_SHIFT)
+    return table
+
+
+def _bits(keys) -> int:
+    out = 0
+    for b in keys:
+        out |= b
+    return out
+
+
+def _load(path: Path) -> tuple[np.ndarray | None, int]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            table, probed = z["table"], int(z["probed"])
+        if table.shape == (0x110000,) and table.dtype == np.uint32:
+            return table, probed
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None, 0
+
+
+def save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Write `arrays` to the cache file `path` atomically (a temporary file, then a rename)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, table, allow_pickle=False)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, **arrays)
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only cache only costs the probe next time
+        pass  # a read-only cache only costs the work next time
+
+
+def class_table(prober: _Prober, key: str, patterns: dict[int, str], *, folds: bool = False,
+                extra: dict[int, Callable[[], np.ndarray]] | None = None) -> np.ndarray:
+    """The tokenizer's uint32 class table with (at least) the named bits, read-only.
+
+    Read from / written to the one disk cache, keyed by `key` (the tokenizer hash) and
+    `TABLE_VERSION`; bits missing from the cached table are probed and added to it.
+    """
+    want = _bits(patterns) | _bits(extra or {}) | (FOLD if folds else 0)
+    path = cache_dir() / "classes" / f"{key}-{TABLE_VERSION}.npz"
+    table, probed = _load(path)
+    if table is None:
+        table, probed = np.zeros(0x110000, dtype=np.uint32), 0
+    if want & ~probed:
+        probe_table(prober, {b: p for b, p in patterns.items() if not b & probed}, table=table,
+                    folds=folds and not FOLD & probed,
+                    extra={b: f for b, f in (extra or {}).items() if not b & probed})
+        probed |= want
+        save_npz(path, table=table, probed=np.array(probed, dtype=np.uint32))
     table.setflags(write=False)
     return table
+
+
+def host_view(table: np.ndarray, bits: int) -> np.ndarray:
+    """The predicate's uint8 table: the named host bits (L N M W K, I) of a class table.
+
+    >>> t = np.array([L | UP | (ord("s") << FOLD_SHIFT), W | NFC_INERT, K | PS], dtype=np.uint32)
+    >>> host_view(t, L | W | K | HOST_I).tolist(), host_view(t, L | W).tolist()
+    ([1, 40, 16], [1, 8, 0])
+    """
+    low = np.uint32(bits & (L | N | M | W | K))
+    if bits & HOST_I:  # NFC_INERT (bit 16) -> HOST_I (bit 5)
+        out = ((table & low) | ((table >> np.uint32(11)) & np.uint32(HOST_I))).astype(np.uint8)
+    else:
+        out = (table & low).astype(np.uint8)
+    out.setflags(write=False)
+    return out
+
+
+def probe_classes(engine: _Prober, patterns: dict[int, str], key: str, extra: dict | None = None) -> np.ndarray:
+    """uint8[0x110000] host view with the named host bits (`patterns`, `extra` keyed by host bit).
+
+    The bits come from the tokenizer's one class table (`class_table`, cached on disk).
+    """
+    table = class_table(engine, key, {_TABLE_BITS[b]: p for b, p in patterns.items()},
+                        extra={_TABLE_BITS[b]: f for b, f in (extra or {}).items()})
+    return host_view(table, _bits(patterns) | _bits(extra or {}))

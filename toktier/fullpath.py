@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .boundaries import char_byte_offsets
+from .boundaries import LiteralFilter, char_byte_offsets
 from .registry import FrozenTokenizer
 
 _SEARCH = 2048  # characters searched after each target offset for a cut
@@ -61,9 +61,8 @@ def chunk_cuts(tok: FrozenTokenizer, text: str, chunk_chars: int) -> list[int]:
             # Literal occurrences spanning q lie within [q - reach, q + reach].
             base = max(0, lo - reach)
             seg = text[base : min(len(text), lo + _SEARCH + reach)]
-            crossed = tok.literals.crossed(seg.encode("utf-8"))
             _, offs = char_byte_offsets(seg)
-            cand = cand[~crossed[offs[cand - base]]]
+            cand = LiteralFilter(tok.literals, seg.encode("utf-8")).filter(cand, offs[cand - base])
         if len(cand):
             cuts.append(int(cand[0]))
             target = int(cand[0]) + chunk_chars

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .boundaries import LiteralFilter, char_byte_offsets
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidText
 from .fullpath import FullPathConfig, encode_full
@@ -501,18 +502,17 @@ class _Context:
     def __init__(self, tok: FrozenTokenizer, T: bytearray, s: int, e: int, data: bytes, p: int, r: int,
                  wtext: str, window: bytes) -> None:
         self.tok, self.s, self.e, self.data, self.p, self.r = tok, s, e, data, p, r
-        cps = np.frombuffer(wtext.encode("utf-32-le"), dtype="<u4")
-        clen = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-        self.cps = cps
-        self.char_starts = _exclusive_cumsum(clen, p)  # new-text byte position of each window char
+        self.cps, offs = char_byte_offsets(wtext)
+        offs += p
+        self.char_starts = offs[:-1]  # new-text byte position of each window char
         lit = tok.literals
         if lit:
+            # Literal occurrences spanning a candidate lie within `reach` bytes of the window.
             reach = lit.max_len
             lo = max(0, p - reach)
             hi_old = min(len(T), r + reach)
-            self.lo = lo
-            self.crossed_new = lit.crossed(bytes(T[lo:s]) + data + bytes(T[e:hi_old]))
-            self.crossed_old = lit.crossed(bytes(T[lo:hi_old]))
+            self.lits_new = LiteralFilter(lit, bytes(T[lo:s]) + data + bytes(T[e:hi_old]), lo)
+            self.lits_old = LiteralFilter(lit, bytes(T[lo:hi_old]), lo)
         self.delta = len(data) - (e - s)
 
     def stable_positions(self, cand: np.ndarray, old_too: bool, delta: int = 0) -> np.ndarray:
@@ -526,8 +526,7 @@ class _Context:
         fam = self.tok.family_info
         ok &= fam.stable(self.tok.classes, self.cps[ci_c - 1], self.cps[ci_c])
         if self.tok.literals:
-            ok &= ~self.crossed_new[cand - self.lo]
+            ok &= self.lits_new.keep(cand)
             # Old-text position: left of the edit it is unchanged, right of it shifted back.
-            old_pos = np.where(cand < self.s, cand, cand - self.delta)
-            ok &= ~self.crossed_old[old_pos - self.lo]
+            ok &= self.lits_old.keep(np.where(cand < self.s, cand, cand - self.delta))
         return cand[ok]

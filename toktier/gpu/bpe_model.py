@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..boundaries import char_byte_offsets
 from .tables import EMPTY32, BpeTables, bpe_tables, fnv1a64, hash_lookup
 
 INF = np.int64(1) << 40
@@ -107,14 +108,6 @@ def bpe(t: BpeTables, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> 
     return all_ids[order].astype(np.uint32), all_pid[order]
 
 
-def _char_to_byte(text: str) -> tuple[np.ndarray, np.ndarray]:
-    cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-    clen = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-    offs = np.zeros(len(cps) + 1, dtype=np.int64)
-    np.cumsum(clen, out=offs[1:])
-    return cps, offs
-
-
 def encode_with_spans(tok, text: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, byte start of each token) by the host models: pre-tokenizer, then BPE.
 
@@ -125,7 +118,7 @@ def encode_with_spans(tok, text: str) -> tuple[np.ndarray, np.ndarray]:
 
     t = bpe_tables(tok)
     buf = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    _, offs = _char_to_byte(text)
+    _, offs = char_byte_offsets(text)
     pcs = pieces(tok, text)
     if not pcs:
         return np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.int64)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..families import GpuRules
 from .tables import bpe_tables, class_table, rules_for
 
 
@@ -315,7 +316,7 @@ class _Bucket:
 
 @dataclass
 class _Tok:
-    rules: str
+    rules: GpuRules
     arrays: dict
     struct: object
     literal_re: object | None
@@ -440,17 +441,17 @@ class GpuDriver:
         k("tt_decode", g, B)
         k("tt_classify", g, B, T)
         r = tk.rules
-        if r in ("cl100k_hf", "cl100k_tt", "qwen"):
+        if r in (GpuRules.CL100K_HF, GpuRules.CL100K_TT, GpuRules.QWEN):
             k("tt_cl100k_prep", g, B)
             for i, op in enumerate((mx, mx, mn, mn, mx)):
                 scan(op, S[i], n_chars)
-            k("tt_cl100k_starts", g, B, np.int32(r == "qwen"), np.int32(r == "cl100k_tt"))
-        elif r == "deepseek":
+            k("tt_cl100k_starts", g, B, np.int32(r == GpuRules.QWEN), np.int32(r == GpuRules.CL100K_TT))
+        elif r == GpuRules.DEEPSEEK:
             k("tt_deepseek_prep", g, B)
             for i, op in enumerate((mx, mx, mn, mn, mx, mx, mn, mn)):
                 scan(op, S[i], n_chars)
             k("tt_deepseek_starts", g, B)
-        elif r == "o200k":
+        elif r == GpuRules.O200K:
             k("tt_o200k_init", g, B)
             scan(mx, S[0], n_chars)
             scan(mx, S[1], n_chars)

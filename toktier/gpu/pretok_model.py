@@ -110,14 +110,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..families import K, L, M, N, W
+from ..boundaries import char_byte_offsets
+from ..charclass import FOLD_SHIFT, K, L, LO, M, N, PS, UP, W
+from ..families import GpuRules
 from ..literals import first_byte_tries
-from .tables import FOLD_SHIFT, LO, PS, UP
 
-RULES = ("cl100k_hf", "cl100k_tt", "qwen", "o200k", "deepseek")
+RULES = tuple(GpuRules)
+_CL100K_LIKE = (GpuRules.CL100K_HF, GpuRules.CL100K_TT, GpuRules.QWEN)
 
 
-def supported_rules() -> tuple[str, ...]:
+def supported_rules() -> tuple[GpuRules, ...]:
     return RULES
 
 
@@ -224,7 +226,7 @@ def _starts_cl100k(cps: np.ndarray, tbl: np.ndarray, rules: str) -> np.ndarray:
     st = np.zeros(n, dtype=bool)
     st[:1] = True
     # digits
-    if rules == "qwen":
+    if rules == GpuRules.QWEN:
         st |= isN
     else:
         ns, _ = _run_bounds(isN, idx)
@@ -248,7 +250,7 @@ def _starts_cl100k(cps: np.ndarray, tbl: np.ndarray, rules: str) -> np.ndarray:
     Ws, We = _run_bounds(isW, idx)
     a = _entry_after_r_prefix(isW, isR, _prev(isP), idx)
     y_exists = We < n
-    wst, _, _ = _whitespace_starts(isW, isR, a, y_exists, idx, n, tt_end_whole=rules == "cl100k_tt")
+    wst, _, _ = _whitespace_starts(isW, isR, a, y_exists, idx, n, tt_end_whole=rules == GpuRules.CL100K_TT)
     return st | wst
 
 
@@ -435,11 +437,11 @@ def piece_starts(cps: np.ndarray, tbl: np.ndarray, rules: str) -> np.ndarray:
     cps = np.asarray(cps, dtype=np.uint32)
     if len(cps) == 0:
         return np.zeros(0, dtype=bool)
-    if rules in ("cl100k_hf", "cl100k_tt", "qwen"):
+    if rules in _CL100K_LIKE:
         return _starts_cl100k(cps, tbl, rules)
-    if rules == "deepseek":
+    if rules == GpuRules.DEEPSEEK:
         return _starts_deepseek(cps, tbl)
-    if rules == "o200k":
+    if rules == GpuRules.O200K:
         return _starts_o200k(cps, tbl)
     raise ValueError(f"unknown rule set {rules!r}; known: {', '.join(RULES)}")
 
@@ -533,10 +535,7 @@ def split_literals(tok, text: str) -> list[tuple[int, int, int | None]]:
     found = finder.find(raw)
     if not found:
         return [(0, len(text), None)] if text else []
-    cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-    clen = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-    offs = np.zeros(len(cps) + 1, dtype=np.int64)
-    np.cumsum(clen, out=offs[1:])
+    _, offs = char_byte_offsets(text)
     keys = np.array(sorted({x for a, b, _ in found for x in (a, b)}), dtype=np.int64)
     b2c = dict(zip(keys.tolist(), np.searchsorted(offs, keys).tolist()))  # literal edges are char boundaries
     out: list[tuple[int, int, int | None]] = []

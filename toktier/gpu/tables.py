@@ -2,22 +2,11 @@
 
 Three tables per tokenizer, built once and uploaded once:
 
-* **Class table** ``uint32[0x110000]`` (4.4 MB), one word per code point:
-
-  ====== ===================================================================
-  bits   meaning (every bit probed from the reference engine's own regex)
-  ====== ===================================================================
-  0      L  = ``\\p{L}``                          (``families.L``)
-  1      N  = ``\\p{N}``                          (``families.N``)
-  2      M  = ``\\p{M}``                          (``families.M``)
-  3      W  = ``\\s``                             (``families.W``)
-  4      K  = DeepSeek's CJK/kana run class      (``families.K``)
-  5      UP = ``[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]`` (o200k "upper" set)
-  6      LO = ``[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]``        (o200k "lower" set)
-  7      PS = ``[\\p{P}\\p{S}]``                   (DeepSeek punctuation/symbols)
-  8-15   contraction fold: the ASCII letter c in ``sdmtrevl`` with
-         ``(?i:c)`` matching this code point (``S``, ``ſ`` -> ``s``), else 0
-  ====== ===================================================================
+* **Class table** ``uint32[0x110000]`` (4.4 MB), one word per code point: the
+  tokenizer's one class table (``charclass.py`` has the bit layout, the probe and
+  the disk cache), with every bit the GPU models read: L N M W (and K for
+  DeepSeek), the o200k UP/LO and DeepSeek PS sets, and the contraction fold byte
+  (bits 8-15).  The kernels read bits 0-15.
 
   Classes that are fixed sets of ASCII characters (``\\r\\n``, space, ``'``,
   ``/``, DeepSeek's ``[A-Za-z]`` and ASCII punctuation) are tested on the code
@@ -41,49 +30,31 @@ Three tables per tokenizer, built once and uploaded once:
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from ..charclass import cache_dir
+from .. import charclass
 from ..errors import UnsupportedTokenizer
-from ..families import K, L, M, N, W, _CL100K_TIKTOKEN
+from ..families import CLASS_PATTERNS, GPU_CLASS_PATTERNS, GpuRules, gpu_rules
 
-UP, LO, PS = 1 << 5, 1 << 6, 1 << 7
-FOLD_SHIFT = 8
-CONTRACTION_LETTERS = "sdmtrevl"
 EMPTY64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 EMPTY32 = np.uint32(0xFFFFFFFF)
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 FNV_PRIME = np.uint64(0x100000001B3)
-TABLE_VERSION = "v1"
-
-_EXTRA_PATTERNS = {
-    UP: r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]",
-    LO: r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]",
-    PS: r"[\p{P}\p{S}]",
-}
+TABLE_VERSION = "v1"  # of the BPE tables (the class table's is `charclass.TABLE_VERSION`)
 
 
-def rules_for(tok) -> str | None:
-    """Which pre-tokenizer rule set models `tok`, or None (unsupported: CPU only).
-
-    "cl100k_hf" (HF form, also Llama-3), "cl100k_tt" (tiktoken form: ``\\s++$``),
-    "qwen" (single digits), "o200k", "deepseek".
-    """
+def rules_for(tok) -> GpuRules | None:
+    """Which pre-tokenizer rule set models `tok` (its family module says, per pattern), or None
+    (unsupported: CPU only)."""
     fam = tok.family_info
     if fam is None or model_gap(tok) is not None:
         return None
-    if fam.name == "cl100k":
-        return "cl100k_tt" if tok.engine.facts.split_patterns == (_CL100K_TIKTOKEN,) else "cl100k_hf"
-    if fam.name in ("qwen", "o200k", "deepseek"):
-        return fam.name
-    return None
+    return gpu_rules(tok.engine.facts.split_patterns)
 
 
 def model_gap(tok) -> str | None:
@@ -121,25 +92,6 @@ def _prefix_related(literals: list[str]) -> bool:
     return any(b.startswith(a) for a, b in zip(lits, lits[1:]))  # a prefix sorts right before an extension
 
 
-def probe_table(prober, base: np.ndarray | None = None, patterns: dict[int, str] | None = None) -> np.ndarray:
-    """uint32[0x110000] class table probed with `prober.probe_class(pattern) -> bool mask`."""
-    table = np.zeros(0x110000, dtype=np.uint32)
-    if base is not None:
-        table |= base.astype(np.uint32)
-        pats = dict(_EXTRA_PATTERNS)
-    else:
-        pats = {L: r"\p{L}", N: r"\p{N}", M: r"\p{M}", W: r"\s", K: "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]",
-                **_EXTRA_PATTERNS}
-    if patterns:
-        pats.update(patterns)
-    for bit, pat in pats.items():
-        table[prober.probe_class(pat)] |= np.uint32(bit)
-    for ch in CONTRACTION_LETTERS:
-        mask = prober.probe_class(f"(?i:{ch})")
-        table[mask] = (table[mask] & np.uint32(0xFF)) | np.uint32(ord(ch) << FOLD_SHIFT)
-    return table
-
-
 # Derived per-tokenizer data, kept beside (not inside) the frozen tokenizer objects.
 _DERIVED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 _DERIVED_LOCK = threading.Lock()
@@ -155,34 +107,16 @@ def derived(tok) -> dict:
 
 
 def class_table(tok) -> np.ndarray:
-    """The tokenizer's class table (probed from its own engine, cached on disk by hash)."""
+    """The tokenizer's class table with the GPU models' bits (`charclass.class_table`: probed
+    from its own engine by the one probe, in the one disk cache)."""
     cached = derived(tok).get("class_table")
     if cached is not None:
         return cached
-    path = cache_dir() / "gpu_classes" / f"{tok.hash}-{TABLE_VERSION}.npy"
-    table = None
-    try:
-        t = np.load(path, allow_pickle=False)
-        if t.shape == (0x110000,) and t.dtype == np.uint32:
-            table = t
-    except (OSError, ValueError):
-        pass
-    if table is None:
-        table = probe_table(tok.engine, base=tok.classes)
-        _save(path, table)
-    table.setflags(write=False)
+    fam = tok.family_info
+    patterns = {**(fam.class_patterns() if fam is not None else CLASS_PATTERNS), **GPU_CLASS_PATTERNS}
+    table = charclass.class_table(tok.engine, tok.hash, patterns, folds=True)
     derived(tok)["class_table"] = table
     return table
-
-
-def _save(path: Path, arr: np.ndarray) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, arr, allow_pickle=False)
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 # -- hashing ---------------------------------------------------------------------------------
@@ -281,7 +215,7 @@ def bpe_tables(tok) -> BpeTables:
     cached = derived(tok).get("bpe_tables")
     if cached is not None:
         return cached
-    path = cache_dir() / "gpu_bpe" / f"{tok.hash}-{TABLE_VERSION}.npz"
+    path = charclass.cache_dir() / "gpu_bpe" / f"{tok.hash}-{TABLE_VERSION}.npz"
     tables = None
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -293,15 +227,9 @@ def bpe_tables(tok) -> BpeTables:
         pass
     if tables is None:
         tables = _build_bpe_tables(tok)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = str(path) + f".{os.getpid()}.tmp.npz"
-            meta = np.array([tables.pair_bits, tables.vocab_bits, tables.max_piece_lookup,
-                             int(tables.whole_piece_lookup)], dtype=np.int64)
-            np.savez(tmp, meta=meta, **tables.arrays())
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        meta = np.array([tables.pair_bits, tables.vocab_bits, tables.max_piece_lookup,
+                         int(tables.whole_piece_lookup)], dtype=np.int64)
+        charclass.save_npz(path, meta=meta, **tables.arrays())
     derived(tok)["bpe_tables"] = tables
     return tables
 

@@ -30,7 +30,7 @@ Levels (``--levels``, comma-separated):
     reports a usable device; skipped with a message otherwise.
 
 Corpus: ``--corpus PATH...`` (files; directories, recursively; ``.jsonl`` files
-with ``--text-field``), the built-in real corpus (`toktier.corpus.samples`, the
+with ``--text-field``), the built-in real corpus (`toktier.tools.corpus.samples`, the
 default; ``--builtin-seeds`` adds reseeded generated samples), ``--large-chars``
 (`corpus.large_text` documents) and ``--adversarial N`` generated texts.  Documents
 are split into ``--segment-chars`` texts.  Work units are (tokenizer, level,
@@ -73,7 +73,7 @@ _FULL_CHUNKS = (512, 4096)
 _ADVERSARIAL_PER_UNIT = 500
 _REPAIR_SIZES = (1, 2, 5, 40, 300, 1400)
 
-ATOMS = ADVERSARIAL_ATOMS  # the adversarial generator's alphabet (see toktier.corpus)
+ATOMS = ADVERSARIAL_ATOMS  # the adversarial generator's alphabet (see toktier.tools.corpus)
 
 
 # ------------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def mutate_predicate(kind: str) -> Callable[[], None]:
 
     Returns a function that restores the original predicate.
     """
-    from . import families as F
+    from toktier import families as F
 
     extra: Callable = {
         "punct-letter": lambda c, x, y: ((c[x] & (F.L | F.N | F.W)) == 0) & ((c[y] & F.L) != 0),
@@ -298,7 +298,7 @@ def mutate_predicate(kind: str) -> Callable[[], None]:
 def _tokenizer(name: str):
     tok = _TOKENIZERS.get(name)
     if tok is None:
-        from .registry import load_tokenizer
+        from toktier.registry import load_tokenizer
 
         tok = _TOKENIZERS[name] = load_tokenizer(name)
     return tok
@@ -310,7 +310,7 @@ def _unknown_tokenizers(names: list[str]) -> list[str]:
     Units swallow load errors (missing data is a skip, not a failure), so a typo would
     otherwise yield a green "no divergences in 0 checks" campaign that checked nothing.
     """
-    from .registry import list_tokenizers
+    from toktier.registry import list_tokenizers
 
     known = set(list_tokenizers())
     return [n for n in names if n not in known and not Path(n).is_file()]
@@ -358,7 +358,7 @@ def pieces_failures(tok, text: str, sample: np.ndarray | None = None) -> tuple[n
 
     `sample`: positions for the suffix/prefix check (None: all certified positions).
     """
-    from .boundaries import char_byte_offsets, stable_char_positions
+    from toktier.boundaries import char_byte_offsets, stable_char_positions
 
     pos = stable_char_positions(tok, text)
     if sample is None:
@@ -394,7 +394,7 @@ def pieces_failures(tok, text: str, sample: np.ndarray | None = None) -> tuple[n
 
 
 def _run_pieces(tok, texts, whole, rng, opts, res) -> None:
-    from .boundaries import stable_char_positions
+    from toktier.boundaries import stable_char_positions
 
     if tok.family_info is None:
         res.skipped = f"no family ({tok.family_reason}): no certified positions to check"
@@ -444,7 +444,7 @@ def _maybe_fault(tok, text, ids, rng, opts):
 
 
 def _run_ids_full(tok, texts, whole, rng, opts, res) -> None:
-    from .fullpath import FullPathConfig, encode_full
+    from toktier.fullpath import FullPathConfig, encode_full
 
     n = 0
     jobs = [(t, FullPathConfig(chunk_chars=c, min_parallel_chars=0)) for t in texts for c in _FULL_CHUNKS]
@@ -469,7 +469,7 @@ def _run_ids_full(tok, texts, whole, rng, opts, res) -> None:
 
 
 def _id_diff(got: np.ndarray, ref: np.ndarray, w: int = 6) -> dict:
-    from .shadow import first_difference
+    from toktier.shadow import first_difference
 
     i = first_difference(got, ref)
     lo = max(0, i - w)
@@ -508,7 +508,7 @@ def repair_ops(rng: random.Random, material: str, n_ops: int) -> list[list]:
 def replay_ops(tok, ops: list[list], window: int, rng: random.Random | None = None,
                opts: Options | None = None) -> tuple[int, int | None, dict]:
     """Replay; returns (ops checked, index of the first diverging op or None, diff detail)."""
-    from .session import Session
+    from toktier.session import Session
 
     s = Session(tok, window=window)
     for i, op in enumerate(ops):
@@ -560,7 +560,7 @@ def gpu_backend() -> tuple[Callable | None, str]:
     except ImportError as exc:
         return None, f"toktier.gpu is not available ({exc})"
     try:
-        from .gpu.driver import available_driver  # type: ignore[import-not-found]
+        from toktier.gpu.driver import available_driver  # type: ignore[import-not-found]
     except ImportError:
         available_driver = None
     if available_driver is not None:
@@ -614,9 +614,9 @@ def _run_gpu(tok, texts, whole, rng, opts, res) -> None:
 
 def _host_model():
     try:
-        from .gpu import encode as host_encode
-        from .gpu import pieces as host_pieces
-        from .gpu.tables import rules_for
+        from toktier.gpu import encode as host_encode
+        from toktier.gpu import pieces as host_pieces
+        from toktier.gpu.tables import rules_for
     except ImportError as exc:
         return None, f"toktier.gpu host models are not available ({exc})"
     return (host_pieces, host_encode, rules_for), ""
@@ -878,7 +878,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .registry import list_tokenizers
+    from toktier.registry import list_tokenizers
 
     names = [x.strip() for x in args.tokenizer.split(",") if x.strip()] if args.tokenizer else list_tokenizers()
     bad = _unknown_tokenizers(names) if names else [args.tokenizer]
@@ -981,7 +981,7 @@ class _Progress:
             return
         try:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        except ImportError:  # pragma: no cover - rich is a dependency
+        except ImportError:  # pragma: no cover - rich comes with the tools extra
             return
         self.bar = Progress(
             TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TextColumn("units"),

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .registry import FrozenTokenizer
+from toktier.registry import FrozenTokenizer
 
 KINDS: tuple[str, ...] = ("substitute", "delete", "duplicate", "swap", "resplit")
 

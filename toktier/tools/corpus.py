@@ -4,8 +4,10 @@ This module owns the test/benchmark corpus: text taken from files that installed
 (CPython's stdlib sources, ``pydoc_data`` topics, ``test/cjkencodings``, C headers, dist-info
 ``RECORD``/``METADATA`` files, Faker locale word lists, the ``emoji`` package's data), arranged into
 named samples per category (:func:`samples`), long benchmark texts of an exact length
-(:func:`large_text`), and chat-template wrapping with the special-token literals of a tokenizer
-family (:func:`chat_wrap`).
+(:func:`large_text`), chat-template wrapping with the special-token literals of a tokenizer
+family (:func:`chat_wrap`), and the alphabet of adversarial atoms that generated test texts are
+drawn from (:data:`ADVERSARIAL_ATOMS`).  It is tooling: the library never imports it, and Faker and
+emoji come with the ``tools`` extra.
 
 It is pure: no network, no global mutable state, everything deterministic given ``seed`` (and the
 installed packages).  Heavy sources (Faker, emoji, pydoc topics) are imported lazily; loaders are

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from toktier.registry import load_tokenizer
+from toktier.session import Session
+
 from .corpus import large_text
-from .registry import load_tokenizer
-from .session import Session
 
 
 @dataclass(frozen=True)
