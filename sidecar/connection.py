@@ -59,7 +59,7 @@ class ServerConnection:
         self._out.clear()
         return out
 
-    def feed(self, data: bytes) -> list[P._Msg]:
+    def feed(self, data: bytes) -> list[P.Request]:
         """Frames in ``data`` -> admitted requests (Release included, Hello consumed)."""
         if self.state is State.CLOSING:
             return []
@@ -68,7 +68,7 @@ class ServerConnection:
         except P.FrameTooLargeError as exc:
             self._fail(0, P.ErrorCode.FRAME_TOO_LARGE, str(exc), fatal=True)
             return []
-        admitted: list[P._Msg] = []
+        admitted: list[P.Request] = []
         for body in bodies:
             msg = self._decode(body)
             if msg is None:
@@ -82,7 +82,7 @@ class ServerConnection:
             elif isinstance(msg, P.Release):
                 admitted.append(msg)
             elif self.inflight >= self.max_inflight:
-                self._fail(msg.id, P.ErrorCode.OVERLOADED,  # type: ignore[attr-defined]
+                self._fail(msg.id, P.ErrorCode.OVERLOADED,
                            f"more than {self.max_inflight} requests in flight on this connection")
             else:
                 self.inflight += 1
@@ -91,17 +91,17 @@ class ServerConnection:
                 break
         return admitted
 
-    def reply(self, msg: P._Msg) -> bytes:
+    def reply(self, msg: P.Reply) -> bytes:
         """Frame a reply to an admitted request (one that ``feed`` returned)."""
         self.inflight -= 1
         return P.encode_frame(msg, self._encoder)
 
-    def error(self, request_id: int, code: P.ErrorCode, message: str) -> bytes:
+    def error(self, request_id: int, code: P.ErrorCode, message: str, reason: str = "") -> bytes:
         """Frame a typed error reply to an admitted request."""
-        return self.reply(P.Error(id=request_id, code=code, message=message))
+        return self.reply(P.Error(id=request_id, code=code, message=message, reason=reason))
 
     # ----------------------------------------------------------------- internal
-    def _decode(self, body: bytes) -> P._Msg | None:
+    def _decode(self, body: bytes) -> P.Request | None:
         try:
             return P.REQUEST_DECODER.decode(body)
         except msgspec.ValidationError as exc:
@@ -119,7 +119,7 @@ class ServerConnection:
                 self._fail(rid, P.ErrorCode.INVALID_TEXT, f"invalid request: {exc}")
         return None
 
-    def _handshake(self, msg: P._Msg) -> None:
+    def _handshake(self, msg: P.Request) -> None:
         if not isinstance(msg, P.Hello):
             self._fail(0, P.ErrorCode.BAD_REQUEST, "the first frame must be Hello", fatal=True)
         elif msg.version != P.PROTOCOL_VERSION:

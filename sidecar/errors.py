@@ -1,7 +1,8 @@
 """Sidecar-side errors and the one table that maps every error class to a wire code.
 
 Core errors (``toktier.errors``) keep their classes; the client re-raises each
-code as the class of the same name (``toktier_client.errors``).
+code as the class of the same name and builtin bases (``toktier_client.errors``),
+with the same structured fields (``SessionMiss.reason``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from toktier.errors import (
     UnsupportedTokenizer,
 )
 from toktier.store import SessionMiss
-from toktier_client.protocol import ErrorCode
+from toktier_client.protocol import Error, ErrorCode
 
 
 class SidecarError(TokTierError):
@@ -62,13 +63,13 @@ class ShuttingDown(SidecarError):
 _CORE_CODES: dict[type[BaseException], ErrorCode] = {
     SessionMiss: ErrorCode.SESSION_MISS,
     UnknownTokenizer: ErrorCode.UNKNOWN_TOKENIZER,
-    UnsupportedTokenizer: ErrorCode.UNKNOWN_TOKENIZER,
+    UnsupportedTokenizer: ErrorCode.UNSUPPORTED_TOKENIZER,
     TokenizerDataMissing: ErrorCode.TOKENIZER_DATA_MISSING,
     InvalidEditRange: ErrorCode.INVALID_EDIT_RANGE,
     InvalidText: ErrorCode.INVALID_TEXT,
-    # The reference engine itself failed on this text: expected (not a TokTier bug), but the wire
-    # has no dedicated code yet (issue 12 gives errors their own round trip).
-    ReferenceEngineError: ErrorCode.INTERNAL,
+    # The reference engine itself failed on this text: expected (not a TokTier bug); the
+    # client re-raises it as its own ReferenceEngineError (a RuntimeError, as in the core).
+    ReferenceEngineError: ErrorCode.REFERENCE_ENGINE_ERROR,
 }
 
 
@@ -80,3 +81,14 @@ def code_for(exc: BaseException) -> ErrorCode | None:
         if isinstance(exc, cls):
             return code
     return None
+
+
+def error_frame(request_id: int, exc: BaseException) -> Error:
+    """The one ``Error`` frame for a failed request: its code, its message and its structured
+    fields (``reason`` for a session miss).  A bug becomes ``internal`` with the exception's
+    class name only (the traceback is logged, never sent)."""
+    code = code_for(exc)
+    if code is None:
+        return Error(id=request_id, code=ErrorCode.INTERNAL, message=f"internal error: {type(exc).__name__}")
+    reason = exc.reason if isinstance(exc, SessionMiss) else ""
+    return Error(id=request_id, code=code, message=str(exc), reason=reason)

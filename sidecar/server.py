@@ -1,8 +1,10 @@
 """The asyncio adapter: Unix socket, peer admission, per-session lanes, workers, shutdown.
 
-Thin by design: protocol rules live in :mod:`sidecar.connection` (sans-IO), session
-logic in :mod:`sidecar.service`, shared memory in :mod:`sidecar.shm`, ordering in
-:mod:`sidecar.lanes`.  This module only moves bytes and decides where work runs:
+Thin by design: protocol rules live in :mod:`sidecar.connection` (sans-IO), how
+each request type is served in the handler table of :mod:`sidecar.service`, shared
+memory in :mod:`sidecar.shm`, ordering in :mod:`sidecar.lanes`.  This module only
+moves bytes and decides where work runs, the same way for every request
+(``Sidecar._serve``):
 
 * Ops on one session key run strictly in arrival order (a lane per key);
   different sessions proceed concurrently.
@@ -31,21 +33,20 @@ import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Hashable
+from typing import Any, Awaitable, Coroutine, Hashable, cast
 
 import toktier
 from toktier.shadow import ShadowVerifier
 from toktier_client import protocol as P
-from toktier_client.shm import HEADER_BYTES
 
 from . import sdnotify
 from .config import ServerConfig
 from .connection import ServerConnection, refusal
-from .errors import Overloaded, ShuttingDown, code_for
+from .errors import ShuttingDown, code_for, error_frame
 from .lanes import Lanes
 from .listen import BACKLOG, bind_unix_socket, peer_credentials
 from .metrics import Metrics
-from .service import Plan, SessionService
+from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, SessionKey, SessionService
 from .shm import ArenaPool, Segment
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class _Peer(asyncio.Protocol):
         self.half_closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         sc = self.sidecar
         _pid, uid, gid = peer_credentials(transport.get_extra_info("socket"))
         if not sc.config.admits(uid, gid):
@@ -158,6 +159,7 @@ class Sidecar:
                                            disable_on_mismatch=config.verify_disable_on_mismatch)
             self.service.fast_path_disabled = self.verifier.is_disabled
             self.service.on_tokenizer_loaded = self.verifier.prepare
+        self.service.server_counts = self._counts
         self._sample = random.Random()
         self.install_signals = install_signals
         self.lanes = Lanes()
@@ -168,6 +170,7 @@ class Sidecar:
         self._cids = itertools.count(1)
         self._bulk: ThreadPoolExecutor | None = None  # whole-context work
         self._repair: ThreadPoolExecutor | None = None  # changes to existing sessions
+        self._pools: dict[Pool, ThreadPoolExecutor] = {}
         self._server: asyncio.AbstractServer | None = None
         self._owns_socket_file = False
         self._stop = asyncio.Event()
@@ -197,6 +200,7 @@ class Sidecar:
         cfg = self.config
         self._bulk = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-bulk")
         self._repair = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-repair")
+        self._pools = {"bulk": self._bulk, "repair": self._repair}
         await loop.run_in_executor(self._bulk, self.service.preload)
         self.welcome = P.Welcome(
             version=P.PROTOCOL_VERSION, server=f"toktier-sidecar/{toktier.__version__}", max_frame=cfg.max_frame,
@@ -287,104 +291,86 @@ class Sidecar:
         if not self._busy:
             self._idle.set()
 
+    def _counts(self) -> ServerCounts:
+        v = self.verifier.stats if self.verifier is not None else None
+        return ServerCounts(connections=len(self.peers), inflight=self._busy,
+                            verified=v.checked if v else 0, mismatches=v.mismatches if v else 0)
+
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, peer: _Peer, req: P._Msg) -> None:
-        """Route one admitted request (called from ``data_received``, in arrival order)."""
-        if isinstance(req, P.Release):
-            seg = peer.handoffs.pop(req.segment, None)
-            if seg is not None:
-                seg.unlink()
-            return
-        if self.stopping:
-            self._fail(peer, req, "shutdown", ShuttingDown("the sidecar is shutting down"), time.perf_counter())
-        elif isinstance(req, P.Stats):
-            v = self.verifier.stats if self.verifier is not None else None
-            peer.send(peer.conn.reply(self.service.stats(req.id, len(self.peers), self._busy,
-                                                         v.checked if v else 0, v.mismatches if v else 0)))
-        elif isinstance(req, P.ListTokenizers):
-            peer.send(peer.conn.reply(self.service.tokenizer_list(req.id)))
-        elif isinstance(req, P.Encode):
+    def dispatch(self, peer: _Peer, req: P.Request) -> None:
+        """Route one admitted request (called from ``data_received``, in arrival order): run it
+        right here when it is ready and small, else in its session's lane or its own task."""
+        handler = HANDLERS[type(req)]
+        sid = handler.lane(req)
+        key = None if sid is None else SessionKey(peer.namespace, sid)
+        if self.stopping or ((key is None or self.lanes.idle(key)) and self._inline_ready(handler, req)):
+            _run_now(self._serve(peer, key, req, handler))  # when stopping: refused at once
+        elif key is not None:
+            self.lanes.submit(key, lambda: self._queued(peer, key, req, handler))
+        else:
             self._enter()
-            task = asyncio.get_running_loop().create_task(self._encode(peer, req))
+            task = asyncio.get_running_loop().create_task(self._serve(peer, None, req, handler))
             task.add_done_callback(lambda _t: self._leave())
-        else:
-            key = (peer.namespace, req.session)  # type: ignore[attr-defined]
-            if self.lanes.idle(key) and self._inline_ready(req):
-                self._session_inline(peer, key, req)
-            else:
-                self.lanes.submit(key, lambda: self._session_queued(peer, key, req))
 
-    def _inline_ready(self, req: P._Msg) -> bool:
-        """Little text, and (for Open) a tokenizer already loaded: safe to run on the loop now."""
-        if isinstance(req, P.Close):
-            return True
-        if len(req.text) > self.config.inline_chars:  # type: ignore[attr-defined]
+    def _inline_ready(self, handler: Handler[Any], req: P.Request) -> bool:
+        """Little text, and a tokenizer (if it names one) already loaded: ``_serve`` will not
+        suspend, so it can run on the loop now."""
+        if handler.pool is not None and handler.text_chars(req) > self.config.inline_chars:
             return False
-        if isinstance(req, P.Open):
-            try:
-                return self.service.find_tokenizer(req.tokenizer, req.specials) is not None
-            except Exception:
-                return True  # the error is answered inline
-        return True
-
-    # -------------------------------------------------------------- session ops
-    def _session_inline(self, peer: _Peer, key: Hashable, req: P._Msg) -> None:
-        t0 = time.perf_counter()
+        spec = handler.tokenizer(req)
+        if spec is None:
+            return True
         try:
-            tok = self.service.find_tokenizer(req.tokenizer, req.specials) if isinstance(req, P.Open) else None
-            plan = self.service.plan(key, req, tok)
-            try:
-                result = plan.work()
-            except BaseException as exc:
-                plan.failed(exc)
-                raise
-            reply = plan.done(result)
-        except Exception as exc:
-            self._fail(peer, req, _op(req), exc, t0)
-            return
-        self._succeed(peer, key, req, reply, t0)
+            return self.service.find_tokenizer(*spec) is not None
+        except Exception:
+            return True  # the error is answered inline
 
-    async def _session_queued(self, peer: _Peer, key: Hashable, req: P._Msg) -> None:
+    async def _queued(self, peer: _Peer, key: SessionKey, req: P.Request, handler: Handler[Any]) -> None:
+        """A lane job: the request's turn on its session came."""
         self._enter()
-        t0 = time.perf_counter()
         try:
-            if self.stopping:
-                raise ShuttingDown("the sidecar is shutting down")
-            tok = await self._tokenizer(req.tokenizer, req.specials) if isinstance(req, P.Open) else None
-            plan = self.service.plan(key, req, tok)
-            try:
-                result = await self._work(plan, self._bulk if isinstance(req, P.Open) else self._repair)
-            except BaseException as exc:
-                plan.failed(exc)
-                raise
-            reply = plan.done(result)
-        except Exception as exc:
-            self._fail(peer, req, _op(req), exc, t0)
-        else:
-            self._succeed(peer, key, req, reply, t0)
+            await self._serve(peer, key, req, handler)
         finally:
             self._leave()
 
-    async def _work(self, plan: Plan, pool: ThreadPoolExecutor | None) -> object:
-        if plan.text_chars <= self.config.inline_chars:
-            return plan.work()
-        return await asyncio.get_running_loop().run_in_executor(pool, plan.work)
+    async def _serve(self, peer: _Peer, key: SessionKey | None, req: P.Request, handler: Handler[Any]) -> None:
+        """The one sequence every request goes through: refuse when stopping, resolve its
+        tokenizer (loading it in a worker on first use), plan, work (on the loop when small,
+        else in the handler's pool), done/failed, then reply (or a typed error) and account.
 
-    def _succeed(self, peer: _Peer, key: Hashable, req: P._Msg, reply: P._Msg, t0: float) -> None:
-        if isinstance(req, P.Open) and req.bind_to_connection:
-            slot = self.service.store.peek(key)
-            if slot is not None:
-                slot.bound_to = peer.cid
-                peer.bound.add(key)
-        elif isinstance(req, P.Close):
-            peer.bound.discard(key)
-        peer.send(peer.conn.reply(reply))
-        self.metrics.observe(_op(req), "ok", time.perf_counter() - t0, getattr(reply, "path", None))
-        if self.verifier is not None and isinstance(reply, P.Ids) and self._sampled():
-            slot = self.service.store.peek(key)
-            if slot is not None:
-                self.verifier.offer(slot.tokenizer.hash, slot.session.text, slot.session.ids,
-                                    context={"session": str(key[1])[:64], "seq": reply.seq})
+        It awaits only to load a tokenizer or to run big work, so a request that
+        ``_inline_ready`` admits completes synchronously (``_run_now``)."""
+        t0 = time.perf_counter()
+        try:
+            if self.stopping and not handler.one_way:
+                raise ShuttingDown("the sidecar is shutting down")
+            spec = handler.tokenizer(req)
+            tok = None if spec is None else await self._tokenizer(*spec)
+            plan = handler.plan(self.service, Call(peer, key, tok), req)
+            try:
+                if handler.pool is None or handler.text_chars(req) <= self.config.inline_chars:
+                    result = plan.work()
+                else:
+                    pool = self._pools[handler.pool]
+                    result = await asyncio.get_running_loop().run_in_executor(pool, plan.work)
+            except BaseException as exc:
+                plan.failed(exc)
+                raise
+            answer = plan.done(result)
+        except Exception as exc:
+            self._fail(peer, req, handler, exc, t0)
+        else:
+            self._succeed(peer, handler, answer, t0)
+
+    def _succeed(self, peer: _Peer, handler: Handler[Any], answer: Answer, t0: float) -> None:
+        if answer.reply is None:
+            return
+        peer.send(peer.conn.reply(answer.reply))
+        self.metrics.observe(handler.tag, "ok", time.perf_counter() - t0, answer.path)
+        if self.verifier is not None and answer.sample is not None and self._sampled():
+            sample = answer.sample()
+            if sample is not None:
+                self.verifier.offer(sample.tokenizer_hash, sample.text, sample.ids, context=sample.context)
 
     def reenable_fast_paths(self) -> None:
         """Operator action (SIGHUP): re-enable every tokenizer the verifier disabled."""
@@ -397,21 +383,21 @@ class Sidecar:
     def _sampled(self) -> bool:
         return self._sample.random() < self.config.verify_rate
 
-    def _fail(self, peer: _Peer, req: P._Msg, op: str, exc: Exception, t0: float) -> None:
-        code = code_for(exc)
-        if code is None:
-            log.error("internal error in %s", op, exc_info=exc)
-            code, message = P.ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}"
-        else:
-            message = str(exc)
-        peer.send(peer.conn.error(req.id, code, message))  # type: ignore[attr-defined]
-        self.metrics.observe(op, code.value, time.perf_counter() - t0)
+    def _fail(self, peer: _Peer, req: P.Request, handler: Handler[Any], exc: Exception, t0: float) -> None:
+        if code_for(exc) is None:
+            log.error("internal error in %s", handler.tag, exc_info=exc)
+        if handler.one_way:
+            return  # nobody waits for an answer
+        frame = error_frame(getattr(req, "id", 0), exc)
+        peer.send(peer.conn.reply(frame))
+        self.metrics.observe(handler.tag, frame.code.value, time.perf_counter() - t0)
 
-    async def _tokenizer(self, name: str, specials: str) -> toktier.FrozenTokenizer:
+    async def _tokenizer(self, name: str, specials: P.Specials) -> toktier.FrozenTokenizer:
         """A served tokenizer, loading a bundled one in a worker on first use (loads deduplicated)."""
         tok = self.service.find_tokenizer(name, specials)
         if tok is not None:
             return tok
+        name = name or self.service.default_tokenizer  # e.g. the default with specials="none"
         k = (name, specials)
         fut = self._loads.get(k)
         if fut is None:
@@ -419,29 +405,6 @@ class Sidecar:
             fut = self._loads[k] = loop.run_in_executor(self._bulk, self.service.load_tokenizer, name, specials)
             fut.add_done_callback(lambda _f: self._loads.pop(k, None))
         return await asyncio.shield(fut)
-
-    # ------------------------------------------------------------------ encode
-    async def _encode(self, peer: _Peer, req: P.Encode) -> None:
-        t0 = time.perf_counter()
-        try:
-            if len(peer.handoffs) >= self.config.max_handoffs:
-                raise Overloaded(f"{len(peer.handoffs)} encode results not released (limit "
-                                 f"{self.config.max_handoffs}); send Release after mapping")
-            tok = await self._tokenizer(req.tokenizer, req.specials)
-            seg = await asyncio.get_running_loop().run_in_executor(self._bulk, self.service.run_encode, tok, req.text)
-        except Exception as exc:
-            self._fail(peer, req, "encode", exc, t0)
-            return
-        if not peer.alive:  # the peer left meanwhile: nobody will map or release it
-            seg.unlink()
-            return
-        peer.handoffs[seg.name] = seg
-        count = int(seg.header["count"][0])
-        if self.verifier is not None and self._sampled():
-            self.verifier.offer(tok.hash, req.text, seg.ids[:count], context={"op": "encode"})
-        peer.send(peer.conn.reply(P.Ids(id=req.id, segment=seg.name, offset=HEADER_BYTES, count=count, seq=0,
-                                        first_changed=0, path="full", tokenizer=tok.hash, handoff=True)))
-        self.metrics.observe("encode", "ok", time.perf_counter() - t0)
 
     # ------------------------------------------------------------ disconnects
     def peer_gone(self, peer: _Peer) -> None:
@@ -463,6 +426,12 @@ class Sidecar:
             seg.unlink()
 
 
-def _op(req: P._Msg) -> str:
-    """The metric label of a request: its wire tag."""
-    return req.__struct_config__.tag  # type: ignore[attr-defined, return-value]
+def _run_now(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` to completion right here, without a task: it must not suspend (an inline
+    request never does: its tokenizer is loaded and its work small)."""
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    raise RuntimeError("an inline request suspended; _inline_ready let through one that was not ready")

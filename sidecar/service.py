@@ -1,12 +1,31 @@
-"""The sidecar's session logic, without any I/O: tokenizers, the session store, arenas.
+"""How the sidecar serves each request, without any I/O: one handler table, session logic,
+tokenizers, the session store, arenas.
+
+:data:`HANDLERS` maps every request type to the one :class:`Handler` that serves
+it; the server (:mod:`sidecar.server`) runs every request through one sequence
+over this table.  A handler says:
+
+* ``lane(req)``: the session id of a session op (ops on one session run in
+  arrival order), or None;
+* ``tokenizer(req)``: the (name, specials) to resolve first (the server loads a
+  bundled one in a worker on first use), or None;
+* ``pool`` and ``text_chars(req)``: work on more than ``inline_chars`` code
+  points runs in that thread pool (``bulk``: whole-context work; ``repair``:
+  changes to an open session), anything smaller on the event loop;
+* ``plan(svc, call, req)`` (loop thread): validate (size, seq, tokenizer), pin
+  the session, and split the request into a :class:`Plan`.
+
+Adding an op is one Struct in ``toktier_client.protocol`` and one handler here
+(``@handles(P.Ping) class PingHandler``), plus one client method.
 
 Split by thread, so the asyncio adapter can run the expensive middle anywhere:
 
-* ``begin_*`` (event-loop thread): validate, look up and pin the session.
-* ``run_*`` (event loop for small ops, a worker thread for big ones): the core
+* ``plan`` / ``begin_*`` (event-loop thread): validate, look up and pin the session.
+* ``Plan.work`` (event loop for small ops, a worker thread for big ones): the core
   :class:`toktier.Session` op, which writes IDs straight into the session's
   shared-memory segment; then the segment header is published.
-* ``finish`` (event-loop thread): unpin, account the new size (may evict others).
+* ``Plan.done`` / ``Plan.failed`` (event-loop thread): unpin, account the new size
+  (may evict others), build the reply.
 
 The store is touched only from the loop thread; a session is touched only by the
 one op its lane lets run.
@@ -14,11 +33,12 @@ one op its lane lets run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Any, Callable, ClassVar, Generic, Hashable, Literal, NamedTuple, Protocol, TypeVar, cast, get_args
 
 import numpy as np
 
@@ -26,17 +46,27 @@ import toktier
 from toktier.fullpath import encode_full
 from toktier.store import EndCause, SessionStore
 from toktier_client import protocol as P
-from toktier_client.shm import HEADER_BYTES
+from toktier_client.shm import HEADER_BYTES, RETIRED_SEQ
 
 from .config import ServerConfig
-from .errors import BadRequest, SessionConflict, TokenizerMismatch, TooLarge, code_for
+from .errors import BadRequest, Overloaded, SessionConflict, TokenizerMismatch, TooLarge, code_for
 from .shm import ArenaPool, Segment, SessionArena
 
 log = logging.getLogger(__name__)
 
-SPECIALS = ("all", "none")
+SPECIALS: tuple[P.Specials, ...] = get_args(P.Specials)
 #: Largest repair window a client may ask for (bytes); larger is just a full encode.
 MAX_WINDOW = 1 << 20
+
+#: The two thread pools (see :mod:`sidecar.server`).
+Pool = Literal["bulk", "repair"]
+
+
+class SessionKey(NamedTuple):
+    """A session as the store knows it: the caller's namespace (peer uid, or shared) and its id."""
+
+    namespace: Hashable
+    session: str
 
 
 @dataclass
@@ -48,6 +78,7 @@ class Slot:
     tokenizer: toktier.FrozenTokenizer
     seq: int = 0
     bound_to: int | None = None  # connection id when bind_to_connection
+    published: Segment | None = None  # the segment clients were last told about
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,20 +94,126 @@ class Outcome:
     tokenizer: str
 
 
+class Sample(NamedTuple):
+    """A served result the shadow verifier may re-check (built only for sampled results)."""
+
+    tokenizer_hash: str
+    text: str
+    ids: np.ndarray
+    context: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a finished request sends: ``reply`` (None: nothing, e.g. a one-way request or a
+    caller that left), the repair ``path`` of a session result (metrics), and the result the
+    shadow verifier may sample."""
+
+    reply: P.Reply | None = None
+    path: str | None = None
+    sample: Callable[[], Sample | None] | None = None
+
+
 def _nothing(_exc: BaseException) -> None:
+    return None
+
+
+def _no_work() -> None:
     return None
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One session request, split by thread.  :meth:`SessionService.plan` has already done the
-    loop-thread checks (and pinned the session); ``work()`` runs anywhere; then exactly one of
-    ``done(result)`` (returns the reply) or ``failed(exc)`` runs on the loop thread."""
+    """One request, split by thread.  ``Handler.plan`` has already done the loop-thread checks
+    (and pinned the session); ``work()`` runs anywhere; then exactly one of ``done(result)``
+    (returns the :class:`Answer`) or ``failed(exc)`` runs on the loop thread."""
 
     work: Callable[[], object]
-    done: Callable[[object], P._Msg]
+    done: Callable[[Any], Answer]
     failed: Callable[[BaseException], None] = _nothing
-    text_chars: int = 0  # code points ``work`` tokenizes: decides inline vs worker
+
+    @classmethod
+    def answer(cls, reply: P.Reply | None) -> "Plan":
+        """A request fully answered by ``plan`` itself: nothing left to run."""
+        answer = Answer(reply)
+        return cls(work=_no_work, done=lambda _result: answer)
+
+
+class Caller(Protocol):
+    """The connection a request came from, as handlers see it (the server's peer)."""
+
+    cid: int
+    alive: bool
+    handoffs: dict[str, Segment]  # stateless results not yet Released
+    bound: set[Hashable]  # sessions that end with this connection
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request being served: its caller, its session key (session ops) and its resolved
+    tokenizer (handlers that name one)."""
+
+    caller: Caller
+    key: SessionKey | None = None
+    tok: toktier.FrozenTokenizer | None = None
+
+
+R = TypeVar("R")
+
+
+class Handler(Generic[R]):
+    """How the sidecar serves one request type (see the module docstring)."""
+
+    #: Thread pool for work bigger than ``inline_chars``; None: always on the event loop.
+    pool: ClassVar[Pool | None] = None
+    tag: str = ""  # the wire tag, also the metric label (set by @handles)
+    one_way: bool = False  # no reply, ever (set by @handles from the Struct)
+
+    def lane(self, req: R) -> str | None:
+        """The session id whose lane orders this request, or None (not a session op)."""
+        return None
+
+    def tokenizer(self, req: R) -> tuple[str, P.Specials] | None:
+        """The tokenizer (name or hash, specials) to resolve before ``plan``, or None."""
+        return None
+
+    def text_chars(self, req: R) -> int:
+        """Code points the work tokenizes: decides between the event loop and ``pool``."""
+        return 0
+
+    def plan(self, svc: "SessionService", call: Call, req: R) -> Plan:
+        raise NotImplementedError
+
+
+#: The dispatch table: request type -> its handler.  Filled by :func:`handles`.
+HANDLERS: dict[type, Handler[Any]] = {}
+
+H = TypeVar("H", bound=type)
+
+
+def handles(request_type: type[P.Request]) -> Callable[[H], H]:
+    """Class decorator: register the handler class for ``request_type`` (one per type)."""
+
+    def register(cls: H) -> H:
+        if request_type in HANDLERS:
+            raise TypeError(f"{request_type.__name__} already has a handler")
+        handler = cls()
+        handler.tag = request_type.__struct_config__.tag
+        handler.one_way = request_type.one_way
+        HANDLERS[request_type] = handler
+        return cls
+
+    return register
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCounts:
+    """Numbers only the server knows, for ``Stats`` replies."""
+
+    connections: int = 0
+    inflight: int = 0  # requests being processed off the event loop
+    verified: int = 0  # results re-checked by the shadow verifier
+    mismatches: int = 0
 
 
 class SessionService:
@@ -94,6 +231,8 @@ class SessionService:
         # Set by the server: runs on the loading thread after each tokenizer load (the
         # shadow verifier builds its private reference there, not mid-traffic).
         self.on_tokenizer_loaded: Callable[[toktier.FrozenTokenizer], None] = lambda tok: None
+        # Set by the server: what only it knows, for Stats replies.
+        self.server_counts: Callable[[], ServerCounts] = ServerCounts
         self._warned_unspliceable: set[str] = set()  # hashes already warned about (loads run on workers)
         self._warn_lock = threading.Lock()
         self.started = time.monotonic()
@@ -109,14 +248,14 @@ class SessionService:
                 self.default_tokenizer = tok.name
             log.info("tokenizer %s loaded (hash %s, family %s)", tok.name, tok.hash[:12], tok.family)
 
-    def find_tokenizer(self, name: str, specials: str) -> toktier.FrozenTokenizer | None:
+    def find_tokenizer(self, name: str, specials: P.Specials) -> toktier.FrozenTokenizer | None:
         """The served tokenizer for ``name`` (or hash); None if it must be loaded first.
         Raises UnknownTokenizer when it can never be served."""
         if specials not in SPECIALS:
             raise BadRequest(f"specials must be one of {SPECIALS}, not {specials!r}")
         name = name or self.default_tokenizer
         try:
-            return self.registry.get(name, specials)  # type: ignore[arg-type]
+            return self.registry.get(name, specials)
         except toktier.UnknownTokenizer:
             if self.config.lazy_load and name in self.bundled:
                 return None
@@ -125,9 +264,9 @@ class SessionService:
                 f"tokenizer {name!r} is not served; served: {', '.join(served)}"
             ) from None
 
-    def load_tokenizer(self, name: str, specials: str) -> toktier.FrozenTokenizer:
+    def load_tokenizer(self, name: str, specials: P.Specials) -> toktier.FrozenTokenizer:
         """Load a bundled tokenizer (slow: run in a worker)."""
-        tok = self.registry.load(name, specials=specials)  # type: ignore[arg-type]
+        tok = self.registry.load(name, specials=specials)
         self._loaded(tok)
         return tok
 
@@ -146,29 +285,13 @@ class SessionService:
                     "text (%s)", tok.name, tok.hash[:12], tok.family_reason)
 
     # ---------------------------------------------------------------- sessions
-    def plan(self, key: Hashable, req: P._Msg, tok: toktier.FrozenTokenizer | None = None) -> Plan:
-        """Loop thread: validate ``req`` (an Open needs its resolved ``tok``) and split it."""
-        rid = req.id  # type: ignore[attr-defined]
-        if isinstance(req, P.Close):
-            existed = self.close(key)
-            return Plan(work=lambda: None, done=lambda _r: P.Closed(id=rid, existed=existed))
-        if isinstance(req, P.Open):
-            assert tok is not None
-            slot = self.begin_open(key, req, tok)
-            if slot is None:
-                def created(res: object) -> P._Msg:
-                    new_slot, out = res  # type: ignore[misc]
-                    self.add(key, new_slot)
-                    return ids_reply(rid, out)
-                return Plan(work=lambda: self.run_create(tok, req), done=created, text_chars=len(req.text))
-            return self._planned(key, slot, lambda: self.run_open_existing(slot, req), rid, len(req.text))
-        slot = self.begin_op(key, req)  # type: ignore[arg-type]
-        return self._planned(key, slot, lambda: self.run_op(slot, req), rid, len(req.text))  # type: ignore[arg-type]
+    def planned(self, key: SessionKey, slot: Slot, work: Callable[[], Outcome], rid: int) -> Plan:
+        """The plan of an op on the pinned ``slot``: ``done`` unpins and answers ``Ids``;
+        ``failed`` unpins, and ends the session after an unexpected error (it may be half-updated)."""
 
-    def _planned(self, key: Hashable, slot: Slot, work: Callable[[], Outcome], rid: int, chars: int) -> Plan:
-        def done(out: object) -> P._Msg:
+        def done(out: Outcome) -> Answer:
             self.finish(key, slot)
-            return ids_reply(rid, out)  # type: ignore[arg-type]
+            return self.answer(key, rid, out)
 
         def failed(exc: BaseException) -> None:
             if code_for(exc) is None:  # unexpected: the session may be half-updated; end it
@@ -176,10 +299,23 @@ class SessionService:
                 self.close(key)
             self.finish(key, slot)
 
-        return Plan(work=work, done=done, failed=failed, text_chars=chars)
+        return Plan(work=work, done=done, failed=failed)
 
-    def begin_op(self, key: Hashable, req: P.Append | P.Edit | P.Sync) -> Slot:
-        """Loop thread: look up, check, pin."""
+    def answer(self, key: SessionKey, rid: int, out: Outcome) -> Answer:
+        """The ``Ids`` answer of a session op; the verifier may sample the session's state."""
+        return Answer(ids_reply(rid, out), path=out.path, sample=lambda: self.sample(key))
+
+    def sample(self, key: SessionKey) -> Sample | None:
+        """The session's current text and IDs, for the shadow verifier (O(N): sampled results only)."""
+        slot = self.store.peek(key)
+        if slot is None:
+            return None
+        return Sample(slot.tokenizer.hash, slot.session.text, slot.session.ids,
+                      {"session": str(key.session)[:64], "seq": slot.seq})
+
+    def begin_op(self, key: SessionKey, req: P.Append | P.Edit | P.Sync,
+                 new_chars: Callable[[toktier.Session], int]) -> Slot:
+        """Loop thread: look up, check tokenizer, seq and the size ``new_chars`` gives, pin."""
         slot = self.store.get(key)
         if req.tokenizer and req.tokenizer not in (slot.tokenizer.hash, slot.tokenizer.name):
             raise TokenizerMismatch(
@@ -188,35 +324,19 @@ class SessionService:
             )
         if req.expect_seq >= 0 and req.expect_seq != slot.seq:
             raise SessionConflict(f"session {req.session!r} is at seq {slot.seq}, not {req.expect_seq}")
-        self._check_size(slot.session, req)
+        new = new_chars(slot.session)
+        if new > self.config.max_session_chars:
+            raise TooLarge(f"session text would be {new} code points; the limit is {self.config.max_session_chars}")
         self.store.pin(key)
         return slot
 
-    def _check_size(self, session: toktier.Session, req: P.Append | P.Edit | P.Sync) -> None:
-        limit = self.config.max_session_chars
-        if isinstance(req, P.Append):
-            new = session.num_chars + len(req.text)
-        elif isinstance(req, P.Edit):
-            removed = max(0, min(req.end, session.num_chars) - max(req.start, 0))
-            new = session.num_chars - removed + len(req.text)
-        else:
-            new = len(req.text)
-        if new > limit:
-            raise TooLarge(f"session text would be {new} code points; the limit is {limit}")
-
-    def run_op(self, slot: Slot, req: P.Append | P.Edit | P.Sync) -> Outcome:
+    def run_op(self, slot: Slot, apply: Callable[[toktier.Session], toktier.OpResult]) -> Outcome:
         """Any thread (the lane guarantees exclusivity): apply the op, publish the segment."""
         s = slot.session
         s.fast_path = not self.fast_path_disabled(slot.tokenizer.hash)
-        if isinstance(req, P.Append):
-            r = s.append(req.text)
-        elif isinstance(req, P.Edit):
-            r = s.edit(req.start, req.end, req.text)
-        else:
-            r = s.sync(req.text)
-        return self._publish(slot, r)
+        return self._publish(slot, apply(s))
 
-    def begin_open(self, key: Hashable, req: P.Open, tok: toktier.FrozenTokenizer) -> Slot | None:
+    def begin_open(self, key: SessionKey, req: P.Open, tok: toktier.FrozenTokenizer) -> Slot | None:
         """Loop thread: the existing slot to sync (pinned), or None to create one."""
         if len(req.text) > self.config.max_session_chars:
             raise TooLarge(f"text of {len(req.text)} code points exceeds the limit of {self.config.max_session_chars}")
@@ -234,10 +354,6 @@ class SessionService:
         self.store.pin(key)
         return slot
 
-    def run_open_existing(self, slot: Slot, req: P.Open) -> Outcome:
-        slot.session.fast_path = not self.fast_path_disabled(slot.tokenizer.hash)
-        return self._publish(slot, slot.session.sync(req.text))
-
     def run_create(self, tok: toktier.FrozenTokenizer, req: P.Open) -> tuple[Slot, Outcome]:
         """Any thread: build a new session whose IDs live in a fresh segment."""
         arena = self.pool.session_arena()
@@ -252,16 +368,24 @@ class SessionService:
             slot.seq = 1
             seg = self._ids_segment(slot, session.ids, 0)
             seg.publish(slot.seq, session.num_tokens)
+            slot.published = seg
             return slot, Outcome(seg, session.num_tokens, slot.seq, first_changed, path, 0, tok.hash)
         except BaseException:
             arena.release()
             raise
 
-    def add(self, key: Hashable, slot: Slot) -> None:
+    def add(self, key: SessionKey, slot: Slot) -> None:
         """Loop thread: register a created session (may evict others)."""
         self.store.add(key, slot, slot.session.nbytes)
 
-    def finish(self, key: Hashable, slot: Slot) -> None:
+    def bind(self, key: SessionKey, caller: Caller) -> None:
+        """Loop thread: the session ends when ``caller``'s connection does."""
+        slot = self.store.peek(key)
+        if slot is not None:
+            slot.bound_to = caller.cid
+            caller.bound.add(key)
+
+    def finish(self, key: SessionKey, slot: Slot) -> None:
         """Loop thread: unpin and account the session's new size."""
         if self.store.peek(key) is slot:
             self.store.unpin(key)
@@ -274,6 +398,10 @@ class SessionService:
         slot.seq += 1
         seg = self._ids_segment(slot, r.ids, r.first_changed)
         seg.publish(slot.seq, len(r.ids))
+        if slot.published is not seg:  # the session moved to a bigger segment
+            if slot.published is not None:
+                _retire(slot.published)
+            slot.published = seg
         return Outcome(seg, len(r.ids), slot.seq, r.first_changed, r.path.value, r.widenings, slot.tokenizer.hash)
 
     def _ids_segment(self, slot: Slot, ids: np.ndarray, first_changed: int) -> Segment:
@@ -301,15 +429,15 @@ class SessionService:
         return self.pool.handoff(ids)
 
     # ------------------------------------------------------------------- misc
-    def stats(self, rid: int, connections: int, inflight: int = 0, verified: int = 0,
-              mismatches: int = 0) -> P.StatsReply:
+    def stats(self, rid: int) -> P.StatsReply:
         st = self.store.stats()
+        c = self.server_counts()
         return P.StatsReply(
             id=rid, sessions=st.live, bytes_held=st.bytes_held, shm_bytes=self.pool.live_bytes,
             shm_segments=self.pool.live_segments, opened=st.opened, closed=st.ended.get("closed", 0),
-            misses=st.misses, evictions=st.evictions, connections=connections,
-            uptime_s=time.monotonic() - self.started, inflight=inflight, verified=verified,
-            mismatches=mismatches,
+            misses=st.misses, evictions=st.evictions, connections=c.connections,
+            uptime_s=time.monotonic() - self.started, inflight=c.inflight, verified=c.verified,
+            mismatches=c.mismatches,
         )
 
     def snapshot(self, connections: int) -> dict:
@@ -329,6 +457,8 @@ class SessionService:
         self.pool.unlink_all()
 
     def _ended(self, key: Hashable, slot: Slot, cause: EndCause) -> None:
+        if slot.published is not None:  # clients still viewing it learn that it is stale
+            _retire(slot.published)
         slot.arena.release()
         if cause is not EndCause.CLOSED:
             log.debug("session %r ended: %s", key, cause.value)
@@ -336,4 +466,182 @@ class SessionService:
 
 def ids_reply(rid: int, out: Outcome) -> P.Ids:
     return P.Ids(id=rid, segment=out.segment.name, offset=HEADER_BYTES, count=out.count, seq=out.seq,
-                 first_changed=out.first_changed, path=out.path, widenings=out.widenings, tokenizer=out.tokenizer)
+                 first_changed=out.first_changed, path=cast(P.RepairPathName, out.path), widenings=out.widenings,
+                 tokenizer=out.tokenizer)
+
+
+def _retire(seg: Segment) -> None:
+    """Mark a segment its session has left, so views of it read as stale (``Result.valid``)."""
+    seg.publish(RETIRED_SEQ, int(seg.header["count"][0]))
+
+
+# ------------------------------------------------------------------ handlers
+S = TypeVar("S", P.Open, P.Append, P.Edit, P.Sync, P.Close)
+C = TypeVar("C", P.Append, P.Edit, P.Sync)
+
+
+class _SessionOp(Handler[S]):
+    """A request on one session: ordered in its session's lane."""
+
+    def lane(self, req: S) -> str:
+        return req.session
+
+
+@handles(P.Open)
+class OpenHandler(_SessionOp[P.Open]):
+    """Create the session, or sync an existing one (same tokenizer) to ``text``: idempotent."""
+
+    pool = "bulk"
+
+    def tokenizer(self, req: P.Open) -> tuple[str, P.Specials]:
+        return req.tokenizer, req.specials
+
+    def text_chars(self, req: P.Open) -> int:
+        return len(req.text)
+
+    def plan(self, svc: SessionService, call: Call, req: P.Open) -> Plan:
+        key, tok = call.key, call.tok
+        assert key is not None and tok is not None
+        slot = svc.begin_open(key, req, tok)
+        if slot is None:
+            def created(res: tuple[Slot, Outcome]) -> Answer:
+                new_slot, out = res
+                svc.add(key, new_slot)
+                return svc.answer(key, req.id, out)
+            plan = Plan(work=lambda: svc.run_create(tok, req), done=created)
+        else:
+            plan = svc.planned(key, slot, lambda: svc.run_op(slot, lambda s: s.sync(req.text)), req.id)
+        if not req.bind_to_connection:
+            return plan
+
+        def bound(res: object) -> Answer:
+            answer = plan.done(res)
+            svc.bind(key, call.caller)
+            return answer
+        return dataclasses.replace(plan, done=bound)
+
+
+class _Change(_SessionOp[C]):
+    """A change to an open session: checked against its tokenizer, seq and size limit, then
+    applied by the core Session in place (IDs written into the session's segment)."""
+
+    pool = "repair"
+
+    def text_chars(self, req: C) -> int:
+        return len(req.text)
+
+    def new_chars(self, session: toktier.Session, req: C) -> int:
+        """The session's length in code points after ``req``."""
+        raise NotImplementedError
+
+    def apply(self, session: toktier.Session, req: C) -> toktier.OpResult:
+        raise NotImplementedError
+
+    def plan(self, svc: SessionService, call: Call, req: C) -> Plan:
+        key = call.key
+        assert key is not None
+        slot = svc.begin_op(key, req, lambda s: self.new_chars(s, req))
+        return svc.planned(key, slot, lambda: svc.run_op(slot, lambda s: self.apply(s, req)), req.id)
+
+
+@handles(P.Append)
+class AppendHandler(_Change[P.Append]):
+    def new_chars(self, session: toktier.Session, req: P.Append) -> int:
+        return session.num_chars + len(req.text)
+
+    def apply(self, session: toktier.Session, req: P.Append) -> toktier.OpResult:
+        return session.append(req.text)
+
+
+@handles(P.Edit)
+class EditHandler(_Change[P.Edit]):
+    def new_chars(self, session: toktier.Session, req: P.Edit) -> int:
+        removed = max(0, min(req.end, session.num_chars) - max(req.start, 0))
+        return session.num_chars - removed + len(req.text)
+
+    def apply(self, session: toktier.Session, req: P.Edit) -> toktier.OpResult:
+        return session.edit(req.start, req.end, req.text)
+
+
+@handles(P.Sync)
+class SyncHandler(_Change[P.Sync]):
+    def new_chars(self, session: toktier.Session, req: P.Sync) -> int:
+        return len(req.text)
+
+    def apply(self, session: toktier.Session, req: P.Sync) -> toktier.OpResult:
+        return session.sync(req.text)
+
+
+@handles(P.Close)
+class CloseHandler(_SessionOp[P.Close]):
+    """End the session and unlink its segment (answered on the loop)."""
+
+    def plan(self, svc: SessionService, call: Call, req: P.Close) -> Plan:
+        assert call.key is not None
+        existed = svc.close(call.key)
+        call.caller.bound.discard(call.key)
+        return Plan.answer(P.Closed(id=req.id, existed=existed))
+
+
+@handles(P.Encode)
+class EncodeHandler(Handler[P.Encode]):
+    """Stateless full encode into a one-shot handoff segment the caller must ``Release``."""
+
+    pool = "bulk"
+
+    def tokenizer(self, req: P.Encode) -> tuple[str, P.Specials]:
+        return req.tokenizer, req.specials
+
+    def text_chars(self, req: P.Encode) -> int:
+        return len(req.text)
+
+    def plan(self, svc: SessionService, call: Call, req: P.Encode) -> Plan:
+        tok, caller = call.tok, call.caller
+        assert tok is not None
+        limit = svc.config.max_handoffs
+        if len(caller.handoffs) >= limit:
+            raise Overloaded(f"{len(caller.handoffs)} encode results not released (limit {limit}); "
+                             "send Release after mapping")
+
+        def done(seg: Segment) -> Answer:
+            if not caller.alive:  # the caller left meanwhile: nobody will map or release it
+                seg.unlink()
+                return Answer()
+            caller.handoffs[seg.name] = seg
+            count = int(seg.header["count"][0])
+            reply = P.Ids(id=req.id, segment=seg.name, offset=HEADER_BYTES, count=count, seq=0,
+                          first_changed=0, path="full", tokenizer=tok.hash, handoff=True)
+            return Answer(reply, sample=lambda: Sample(tok.hash, req.text, seg.ids[:count], {"op": "encode"}))
+
+        return Plan(work=lambda: svc.run_encode(tok, req.text), done=done)
+
+
+@handles(P.Release)
+class ReleaseHandler(Handler[P.Release]):
+    """The caller has mapped a handoff segment: unlink its name (no reply)."""
+
+    def plan(self, svc: SessionService, call: Call, req: P.Release) -> Plan:
+        seg = call.caller.handoffs.pop(req.segment, None)
+        if seg is not None:
+            seg.unlink()
+        return Plan.answer(None)
+
+
+@handles(P.Stats)
+class StatsHandler(Handler[P.Stats]):
+    def plan(self, svc: SessionService, call: Call, req: P.Stats) -> Plan:
+        return Plan.answer(svc.stats(req.id))
+
+
+@handles(P.ListTokenizers)
+class ListTokenizersHandler(Handler[P.ListTokenizers]):
+    def plan(self, svc: SessionService, call: Call, req: P.ListTokenizers) -> Plan:
+        return Plan.answer(svc.tokenizer_list(req.id))
+
+
+@handles(P.Ping)
+class PingHandler(Handler[P.Ping]):
+    """Liveness round trip: answered on the event loop, touching no session."""
+
+    def plan(self, svc: SessionService, call: Call, req: P.Ping) -> Plan:
+        return Plan.answer(P.Pong(id=req.id, monotonic=time.monotonic()))

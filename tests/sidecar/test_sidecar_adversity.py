@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sidecar_raw import Bystander, Raw
-from toktier.corpus import large_text
+from toktier.tools.corpus import large_text
 from toktier_client import (
     BadRequest,
     Client,

@@ -22,7 +22,7 @@ from sidecar.cli import build_parser, load_config
 from sidecar.service import SessionService
 from sidecar.shm import ArenaPool
 from sidecar_raw import Raw
-from toktier.corpus import large_text
+from toktier.tools.corpus import large_text
 from toktier_client import Client
 from toktier_client import protocol as P
 from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)

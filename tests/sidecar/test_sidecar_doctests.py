@@ -8,10 +8,14 @@ import pytest
 
 import sidecar.lanes
 import toktier.store
+import toktier_client._session
+import toktier_client.core
 import toktier_client.protocol
 
+MODULES = [toktier.store, toktier_client.protocol, toktier_client.core, toktier_client._session, sidecar.lanes]
 
-@pytest.mark.parametrize("module", [toktier.store, toktier_client.protocol, sidecar.lanes], ids=lambda m: m.__name__)
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

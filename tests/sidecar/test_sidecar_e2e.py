@@ -18,7 +18,7 @@ import pytest
 
 import toktier
 from sidecar_texts import apply_op, random_op
-from toktier.corpus import large_text
+from toktier.tools.corpus import large_text
 from toktier_client import AsyncClient, Client, InvalidEditRange, SessionConflict, SessionMiss, UnknownTokenizer
 from toktier_client import protocol as P
 from toktier_client.shm import Mapping

@@ -39,6 +39,7 @@ ALL_REQUESTS = [
     P.Close(id=6, session="s"),
     P.Stats(id=7),
     P.ListTokenizers(id=8),
+    P.Ping(id=9),
     P.Release(segment="/x"),
 ]
 ALL_REPLIES = [
@@ -49,6 +50,8 @@ ALL_REPLIES = [
     P.StatsReply(id=4, sessions=1, bytes_held=2, shm_bytes=3, shm_segments=1, opened=1, closed=0, misses=0,
                  evictions={"ttl": 0}, connections=1, uptime_s=1.5),
     P.Error(id=5, code=P.ErrorCode.SESSION_MISS, message="m", fatal=False),
+    P.Error(id=6, code=P.ErrorCode.SESSION_MISS, message="m", reason="ttl"),
+    P.Pong(id=7, monotonic=12.5),
 ]
 
 

@@ -2,7 +2,8 @@
 
 Token IDs come back as read-only numpy ``uint32`` views of POSIX shared memory
 (no copy, no Python list).  See ``toktier_client.shm`` for the segment layout and
-lifetimes, ``toktier_client.protocol`` for the wire format.
+lifetimes, ``toktier_client.protocol`` for the wire format, ``toktier_client.core``
+for the sans-IO client core that ``Client`` and ``AsyncClient`` both drive.
 """
 
 from .aio import AsyncClient, AsyncSession
@@ -18,6 +19,7 @@ from .errors import (
     Overloaded,
     PermissionDenied,
     ProtocolError,
+    ReferenceEngineError,
     RemoteError,
     RequestTimeout,
     SegmentAccessDenied,
@@ -30,6 +32,7 @@ from .errors import (
     TokTierError,
     TooLarge,
     UnknownTokenizer,
+    UnsupportedTokenizer,
     VersionMismatch,
 )
 from .protocol import PROTOCOL_VERSION
@@ -41,4 +44,5 @@ __all__ = [
     "TokenizerMismatch", "TokenizerDataMissing", "InvalidEditRange", "InvalidText", "BadRequest",
     "BadFrame", "FrameTooLarge", "TooLarge", "Overloaded", "PermissionDenied", "VersionMismatch",
     "ShuttingDown", "InternalError", "ConnectionLost", "ProtocolError", "RequestTimeout", "SegmentGone", "SegmentAccessDenied",
+    "UnsupportedTokenizer", "ReferenceEngineError",
 ]

@@ -1,41 +1,140 @@
 """Sans-IO session bookkeeping shared by the sync and asyncio clients.
 
-A :class:`SessionState` builds request messages, turns ``Ids`` replies into
+A :class:`SessionState` builds request messages and runs each session op as a
+flow (see :mod:`toktier_client.core`): it turns ``Ids`` replies into
 :class:`~toktier_client.shm.Result` objects (re-mapping only when the sidecar
-moved the session to a bigger segment), tracks the session's ``seq`` so retried
-ops cannot be applied twice, and, when recovery is enabled, mirrors the session
-text so a session miss can be answered by re-opening with the full text.
+moved the session to another segment), tracks the session's ``seq`` so retried
+ops cannot be applied twice, ends the previous result's lease so
+``Result.valid`` is exact, and, when recovery is enabled, mirrors the session
+text (:class:`TextMirror`) so a miss or conflict is answered by re-opening with
+the full text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from . import protocol as P
-from .errors import ProtocolError
-from .shm import Mapping, Result
+from .core import Flow, expect, result_from
+from .errors import ProtocolError, SessionConflict, SessionMiss
+from .shm import Lease, Mapping, Result
 
 
-@dataclass(frozen=True, slots=True)
+class TextMirror:
+    """The session text as the sidecar holds it, grown in place: an op costs O(its own text)
+    (amortized), not O(session text).
+
+    The text is a list of chunks joined only when the whole text is needed (a re-open
+    after a miss, ``Session.text``).  Each chunk is at least twice as long as the next,
+    so there are O(log N) chunks; an append merges only the small chunks at the end
+    (each code point is copied O(log N) times over the session's life, never once per
+    op), and an edit rebuilds only the chunks from the one holding ``start`` on.
+
+    >>> m = TextMirror("Hello")
+    >>> m.append(" world"); m.edit(0, 5, "Goodbye"); m.append("!")
+    >>> m.text(), len(m)
+    ('Goodbye world!', 14)
+    """
+
+    __slots__ = ("_chunks", "_len")
+
+    def __init__(self, text: str = "") -> None:
+        self._chunks: list[str] = [text] if text else []
+        self._len = len(text)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def chunks(self) -> tuple[str, ...]:
+        """The chunks as stored (the same ``str`` objects: nothing is copied)."""
+        return tuple(self._chunks)
+
+    def text(self) -> str:
+        """The whole text (joined once; the mirror keeps the joined string)."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def append(self, text: str) -> None:
+        if not text:
+            return
+        chunks = self._chunks
+        chunks.append(text)
+        while len(chunks) > 1 and len(chunks[-2]) < 2 * len(chunks[-1]):
+            last = chunks.pop()
+            chunks[-1] += last
+        self._len += len(text)
+
+    def edit(self, start: int, end: int, text: str) -> None:
+        """Replace code points [start, end) (a range the sidecar accepted)."""
+        chunks = self._chunks
+        i, offset = len(chunks), self._len
+        while i > 0 and offset > start:  # back to the chunk holding `start`
+            i -= 1
+            offset -= len(chunks[i])
+        tail = "".join(chunks[i:])
+        del chunks[i:]
+        self._len = offset
+        self.append(tail[: start - offset] + text + tail[end - offset :])
+
+    def sync(self, text: str) -> None:
+        self._chunks = [text] if text else []
+        self._len = len(text)
+
+
+# ------------------------------------------------------------------------ ops
 class PendingOp:
-    """An op as the caller asked for it, kept to update the mirror after success."""
+    """A change as the caller asked for it: its request, and its effect on the mirror."""
 
-    kind: str  # "append" | "edit" | "sync"
     text: str
-    start: int = 0
-    end: int = 0
 
-    def apply(self, old: str) -> str:
-        """The session text after this op (the client-side mirror of the sidecar's splice)."""
-        if self.kind == "append":
-            return old + self.text
-        if self.kind == "edit":
-            return old[: self.start] + self.text + old[self.end :]
-        return self.text
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Append | P.Edit | P.Sync:
+        raise NotImplementedError
+
+    def apply(self, mirror: TextMirror) -> None:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class AppendOp(PendingOp):
+    text: str
+
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Append:
+        return P.Append(id=rid, session=session, text=self.text, expect_seq=expect_seq, tokenizer=tokenizer)
+
+    def apply(self, mirror: TextMirror) -> None:
+        mirror.append(self.text)
+
+
+@dataclass(slots=True)
+class EditOp(PendingOp):
+    start: int
+    end: int
+    text: str
+
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Edit:
+        return P.Edit(id=rid, session=session, start=self.start, end=self.end, text=self.text,
+                      expect_seq=expect_seq, tokenizer=tokenizer)
+
+    def apply(self, mirror: TextMirror) -> None:
+        mirror.edit(self.start, self.end, self.text)
+
+
+@dataclass(slots=True)
+class SyncOp(PendingOp):
+    text: str
+
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Sync:
+        return P.Sync(id=rid, session=session, text=self.text, expect_seq=expect_seq, tokenizer=tokenizer)
+
+    def apply(self, mirror: TextMirror) -> None:
+        mirror.sync(self.text)
 
 
 class SessionState:
-    """Per-session client state; owns the session's current mapping."""
+    """Per-session client state; owns the session's current mapping and the latest result's lease."""
 
     def __init__(
         self,
@@ -43,7 +142,7 @@ class SessionState:
         tokenizer: str,
         *,
         recover: bool,
-        specials: str,
+        specials: P.Specials,
         window: int,
         bind_to_connection: bool,
     ) -> None:
@@ -55,9 +154,42 @@ class SessionState:
         self.window = window
         self.bind_to_connection = bind_to_connection
         self.seq = -1  # unknown until the first reply
-        self.text: str | None = "" if recover else None
+        self.mirror: TextMirror | None = TextMirror() if recover else None
         self.closed = False
         self._mapping: Mapping | None = None
+        self._lease: Lease | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The mirrored text (None without recovery)."""
+        return None if self.mirror is None else self.mirror.text()
+
+    # --------------------------------------------------------------------- flows
+    def open(self, next_id: Callable[[], int], text: str) -> Flow[Result]:
+        """Open (or re-attach to and sync) the session with ``text``."""
+        reply = yield self.open_request(next_id(), text)
+        return self._accept(reply, SyncOp(text))
+
+    def op(self, next_id: Callable[[], int], op: PendingOp) -> Flow[Result]:
+        """Apply ``op``; with recovery, answer a miss or conflict by re-opening with the full text."""
+        try:
+            reply = yield op.request(next_id(), self.session_id, self.seq, self.tokenizer_hash)
+        except (SessionMiss, SessionConflict):
+            self._end_lease()  # the sidecar's session is not the state this client last saw
+            if not self.recover:
+                raise
+            text = self.recovery_text(op)
+            reply = yield self.open_request(next_id(), text)
+            return self._accept(reply, SyncOp(text))
+        return self._accept(reply, op)
+
+    def close(self, next_id: Callable[[], int]) -> Flow[bool]:
+        """Close the session in the sidecar; True if it existed."""
+        self.closed = True
+        self._mapping = None
+        self._end_lease()
+        reply = yield P.Close(id=next_id(), session=self.session_id)
+        return expect(reply, P.Closed).existed
 
     # ------------------------------------------------------------------ requests
     def open_request(self, rid: int, text: str) -> P.Open:
@@ -71,44 +203,39 @@ class SessionState:
             bind_to_connection=self.bind_to_connection,
         )
 
-    def op_request(self, rid: int, op: PendingOp) -> P.Append | P.Edit | P.Sync:
-        common = dict(id=rid, session=self.session_id, expect_seq=self.seq, tokenizer=self.tokenizer_hash)
-        if op.kind == "append":
-            return P.Append(text=op.text, **common)
-        if op.kind == "edit":
-            return P.Edit(start=op.start, end=op.end, text=op.text, **common)
-        return P.Sync(text=op.text, **common)
-
     def recovery_text(self, op: PendingOp | None) -> str:
-        """Full text to re-open with after a miss/conflict (only when ``recover`` is on);
-        the current mapping is dropped (the re-open may land in another segment)."""
-        assert self.text is not None
+        """Full text to re-open with after a miss/conflict (only when ``recover`` is on): the
+        mirror with ``op`` applied (the one place the whole text is built); the current mapping
+        is dropped (the re-open may land in another segment)."""
+        assert self.mirror is not None
         self._mapping = None
-        return self.text if op is None else op.apply(self.text)
-
-    def close_request(self, rid: int) -> P.Close:
-        """Mark the session closed (its mapping dropped) and build the ``Close`` message."""
-        self.closed = True
-        self._mapping = None
-        return P.Close(id=rid, session=self.session_id)
+        if op is None:
+            return self.mirror.text()
+        scratch = TextMirror(self.mirror.text())
+        op.apply(scratch)
+        return scratch.text()
 
     # ------------------------------------------------------------------- replies
-    def accept(self, reply: P.Ids, new_text: str | None) -> Result:
-        """Turn an ``Ids`` reply into a Result; ``new_text`` updates the mirror."""
-        if not isinstance(reply, P.Ids) or reply.handoff:
-            raise ProtocolError(f"expected a session Ids reply, got {type(reply).__name__}")
+    def _accept(self, reply: P.Reply | None, op: PendingOp) -> Result:
+        """Turn the ``Ids`` reply to ``op`` into a Result; the mirror, if kept, gets ``op``."""
+        ids = expect(reply, P.Ids)
+        if ids.handoff:
+            raise ProtocolError("expected a session Ids reply, got a handoff")
         mapping = self._mapping
-        if mapping is None or mapping.name != reply.segment:
-            mapping = self._mapping = Mapping.open(reply.segment)
-        self.seq = reply.seq
-        self.tokenizer_hash = reply.tokenizer
-        if self.text is not None and new_text is not None:
-            self.text = new_text
-        return result_from(reply, mapping)
+        if mapping is None or mapping.name != ids.segment:
+            mapping = self._mapping = Mapping.open(ids.segment)
+        self.seq = ids.seq
+        self.tokenizer_hash = ids.tokenizer
+        if self.mirror is not None:
+            op.apply(self.mirror)
+        self._end_lease()
+        self._lease = Lease()
+        return result_from(ids, mapping, self._lease)
 
-    def accept_op(self, reply: P.Ids, op: PendingOp) -> Result:
-        """`accept` for the reply to `op` (the mirror, if kept, gets the op applied)."""
-        return self.accept(reply, op.apply(self.text) if self.text is not None else None)
+    def _end_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.end()
+            self._lease = None
 
 
 class SessionView:
@@ -127,19 +254,7 @@ class SessionView:
     @property
     def text(self) -> str:
         """The mirrored session text (only with ``recover=True``)."""
-        if self._state.text is None:
+        text = self._state.text
+        if text is None:
             raise AttributeError("the session text is mirrored only with recover=True")
-        return self._state.text
-
-
-def result_from(reply: P.Ids, mapping: Mapping) -> Result:
-    return Result(
-        ids=mapping.view(reply.offset, reply.count),
-        first_changed=reply.first_changed,
-        path=reply.path,
-        widenings=reply.widenings,
-        seq=reply.seq,
-        tokenizer=reply.tokenizer,
-        segment=reply.segment,
-        _mapping=mapping,
-    )
+        return text

@@ -10,57 +10,58 @@ Bound a request with ``asyncio.wait_for``; a cancelled request's late reply is d
 Ops on one :class:`AsyncSession` are serialized by a per-session lock (the
 sidecar orders them anyway; the lock also guarantees a reply's segment is mapped
 before the next op can replace it).  Different sessions run concurrently.
+
+A thin adapter over the same sans-IO core as :class:`~toktier_client.Client`
+(:mod:`toktier_client.core`): each connection is one ``ClientConnection`` whose
+events resolve futures; the flows (recovery, hand-over) are shared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
+from typing import Optional, cast
 
-import msgspec
-
+from . import core
 from . import protocol as P
-from ._session import PendingOp, SessionState, SessionView, result_from
-from .client import _encode
-from .errors import (
-    ConnectionLost,
-    ProtocolError,
-    SessionConflict,
-    SessionMiss,
-    error_from_code,
-)
-from .shm import Mapping, Result
+from ._session import AppendOp, EditOp, PendingOp, SessionState, SessionView, SyncOp
+from .core import Answered, Backoff, Broken, ClientConnection, Event, Failed, Flow, T, Welcomed
+from .errors import ConnectionLost, TokTierError
+from .shm import Result
 
 _WRITE_HIGH_WATER = 1 << 20
 
 
 class _Protocol(asyncio.Protocol):
-    """Thin adapter: bytes -> frames -> replies -> the owning client."""
+    """Thin adapter for one connection: bytes <-> its ``ClientConnection``; events -> futures."""
 
-    def __init__(self, client: "AsyncClient") -> None:
-        self.client = client
-        self.decoder = P.FrameDecoder()
+    def __init__(self, client_name: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.conn = ClientConnection(client_name)
         self.transport: asyncio.Transport | None = None
+        self.welcomed: asyncio.Future[P.Welcome] = loop.create_future()
+        self.futures: dict[int, asyncio.Future[P.Reply]] = {}
         self._drained = asyncio.Event()
         self._drained.set()
 
+    @property
+    def usable(self) -> bool:
+        return self.conn.usable and self.transport is not None and not self.transport.is_closing()
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream transport (uvloop's too)
+        self.transport.write(self.conn.hello())
 
     def data_received(self, data: bytes) -> None:
-        try:
-            bodies = self.decoder.feed(data)
-            for body in bodies:
-                self.client._dispatch(P.REPLY_DECODER.decode(body), self)
-        except (P.FrameTooLargeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.client._fail_all(ProtocolError(f"bad reply from the sidecar: {exc}"), self)
-            if self.transport is not None:
-                self.transport.abort()
+        self._handle(self.conn.feed(data))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._drained.set()
-        self.client._fail_all(ConnectionLost("the sidecar closed the connection"), self)
+        lost = self.conn.connection_lost()
+        if lost is not None:
+            self._handle([lost])
 
     def pause_writing(self) -> None:
         self._drained.clear()
@@ -68,8 +69,48 @@ class _Protocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._drained.set()
 
+    def _handle(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Welcomed):
+                if not self.welcomed.done():
+                    self.welcomed.set_result(event.welcome)
+            elif isinstance(event, (Answered, Failed)):
+                fut = self.futures.pop(event.id, None)
+                if fut is None or fut.done():
+                    continue
+                if isinstance(event, Failed):
+                    fut.set_exception(event.error)
+                else:
+                    fut.set_result(event.reply)
+            elif isinstance(event, Broken):
+                if not self.welcomed.done():
+                    self.welcomed.set_exception(event.error)
+                futures, self.futures = self.futures, {}
+                for fut in futures.values():
+                    if not fut.done():
+                        fut.set_exception(event.error)
+                if self.transport is not None:
+                    self.transport.abort()
+
+    def request(self, msg: P.Request) -> Optional[asyncio.Future[P.Reply]]:
+        """Write ``msg``; the future of its reply (None for a one-way request)."""
+        if not self.usable:
+            raise ConnectionLost("not connected")
+        frame = self.conn.send(msg)
+        fut = None
+        if not msg.one_way:
+            fut = self.futures[getattr(msg, "id", 0)] = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(frame)
+        return fut
+
+    def abandon(self, request_id: int) -> None:
+        self.futures.pop(request_id, None)
+        self.conn.abandon(request_id)
+
     async def drain(self) -> None:
-        await self._drained.wait()
+        if self.transport is not None and self.transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
+            await self._drained.wait()
 
 
 class AsyncClient:
@@ -91,48 +132,39 @@ class AsyncClient:
         self.client_name = client_name
         self.welcome: P.Welcome | None = None
         self._proto: _Protocol | None = None
-        self._pending: dict[int, asyncio.Future[P.Reply]] = {}
-        self._welcome_fut: asyncio.Future[P.Reply] | None = None
         self._ids = itertools.count(1)
         self._connect_lock = asyncio.Lock()
 
     async def connect(self) -> "AsyncClient":
         loop = asyncio.get_running_loop()
         try:
-            _, proto = await loop.create_unix_connection(lambda: _Protocol(self), self.socket_path)
+            _, proto = await loop.create_unix_connection(lambda: _Protocol(self.client_name), self.socket_path)
         except OSError as exc:
             raise ConnectionLost(f"cannot connect to {self.socket_path}: {exc}") from exc
-        self._proto = proto
-        self._welcome_fut = loop.create_future()
-        proto.transport.write(_encode(P.Hello(version=P.PROTOCOL_VERSION, client=self.client_name)))
         try:
-            reply = await asyncio.wait_for(self._welcome_fut, self.connect_timeout)
+            welcome = await asyncio.wait_for(proto.welcomed, self.connect_timeout)
         except asyncio.TimeoutError:
-            proto.transport.abort()
-            raise ConnectionLost(f"no handshake reply from {self.socket_path} within {self.connect_timeout} s") from None
-        if isinstance(reply, P.Error):
-            proto.transport.close()
-            raise error_from_code(reply.code, reply.message)
-        self.welcome = reply  # type: ignore[assignment]
-        proto.decoder.max_frame = max(self.welcome.max_frame, 1 << 20)
+            if proto.transport is not None:
+                proto.transport.abort()
+            raise ConnectionLost(
+                f"no handshake reply from {self.socket_path} within {self.connect_timeout} s") from None
+        self._proto, self.welcome = proto, welcome
         return self
 
     async def _reconnect(self, broken: _Protocol | None) -> None:
         async with self._connect_lock:
-            if self._proto is not broken and self._proto is not None:
+            if self._proto is not broken and self._proto is not None and self._proto.usable:
                 return  # another task already reconnected
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.reconnect_timeout
-            delay = 0.01
+            backoff = Backoff(self.reconnect_timeout)
             while True:
                 try:
                     await self.connect()
                     return
                 except ConnectionLost:
-                    if loop.time() >= deadline:
+                    delay = backoff.next_delay()
+                    if delay is None:
                         raise
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.5)
 
     async def close(self) -> None:
         proto, self._proto = self._proto, None
@@ -145,53 +177,30 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # ----------------------------------------------------------- dispatching
-    def _dispatch(self, reply: P.Reply, proto: _Protocol) -> None:
-        if isinstance(reply, P.Welcome) or (isinstance(reply, P.Error) and self._welcome_fut is not None
-                                            and not self._welcome_fut.done()):
-            if self._welcome_fut is not None and not self._welcome_fut.done():
-                self._welcome_fut.set_result(reply)
-            return
-        if isinstance(reply, P.Error) and reply.id == 0:
-            self._fail_all(error_from_code(reply.code, reply.message), proto)
-            return
-        fut = self._pending.pop(reply.id, None)  # type: ignore[union-attr]
-        if fut is None or fut.done():
-            return
-        if isinstance(reply, P.Error):
-            fut.set_exception(error_from_code(reply.code, reply.message, reply.id))
-        else:
-            fut.set_result(reply)
-
-    def _fail_all(self, exc: Exception, proto: _Protocol) -> None:
-        if proto is not self._proto:
-            return
-        if self._welcome_fut is not None and not self._welcome_fut.done():
-            self._welcome_fut.set_exception(exc)
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._proto = None
-
-    async def _roundtrip(self, msg: P._Msg) -> P.Reply:
+    # ------------------------------------------------------------------- I/O
+    async def _roundtrip(self, msg: P.Request) -> P.Reply:
         proto = self._proto
-        if proto is None or proto.transport is None or proto.transport.is_closing():
+        if proto is None:
             raise ConnectionLost("not connected")
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[msg.id] = fut  # type: ignore[attr-defined]
-        proto.transport.write(_encode(msg))
-        if proto.transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
-            await proto.drain()
+        fut = proto.request(msg)
+        assert fut is not None
         try:
+            await proto.drain()
             return await fut
         finally:
-            self._pending.pop(msg.id, None)  # type: ignore[attr-defined]
+            proto.abandon(getattr(msg, "id", 0))  # no-op once answered; drops a cancelled one's reply
 
-    async def call(self, msg: P._Msg) -> P.Reply:
-        """Send one request, await its reply; reconnect and re-send once if the connection drops."""
-        if self._proto is None and self.reconnect:
-            await self._reconnect(None)
+    async def call(self, msg: P.Request) -> P.Reply | None:
+        """Send one request, await its reply; reconnect and re-send once if the connection drops.
+        A one-way request (``Release``) is sent if the connection is up, and returns None."""
+        proto = self._proto
+        if msg.one_way:
+            if proto is not None and proto.usable:
+                with contextlib.suppress(ConnectionLost):
+                    proto.request(msg)
+            return None
+        if (proto is None or not proto.usable) and self.reconnect:
+            await self._reconnect(proto)
         try:
             return await self._roundtrip(msg)
         except ConnectionLost:
@@ -200,10 +209,23 @@ class AsyncClient:
             await self._reconnect(self._proto)
             return await self._roundtrip(msg)
 
-    def _send_nowait(self, msg: P._Msg) -> None:
-        proto = self._proto
-        if proto is not None and proto.transport is not None and not proto.transport.is_closing():
-            proto.transport.write(_encode(msg))
+    async def run(self, flow: Flow[T]) -> T:
+        """Drive a sans-IO flow: send each request it yields, resume it with the reply or error."""
+        reply: P.Reply | None = None
+        error: TokTierError | None = None
+        try:
+            while True:
+                try:
+                    msg = flow.send(reply) if error is None else flow.throw(error)
+                except StopIteration as stop:
+                    return stop.value
+                reply, error = None, None
+                try:
+                    reply = await self.call(msg)
+                except TokTierError as exc:
+                    error = exc
+        finally:
+            flow.close()
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -216,7 +238,7 @@ class AsyncClient:
         text: str = "",
         *,
         recover: bool = False,
-        specials: str = "all",
+        specials: P.Specials = "all",
         window: int = 0,
         bind_to_connection: bool = False,
     ) -> "AsyncSession":
@@ -226,25 +248,21 @@ class AsyncClient:
         )
         s = AsyncSession(self, state)
         async with s._lock:
-            s.last = await s._open(text)
+            s.last = await self.run(state.open(self.next_id, text))
         return s
 
-    async def encode(self, text: str, tokenizer: str = "", specials: str = "all") -> Result:
-        reply = await self.call(P.Encode(id=self.next_id(), text=text, tokenizer=tokenizer, specials=specials))
-        if not isinstance(reply, P.Ids):
-            raise ProtocolError(f"expected Ids, got {type(reply).__name__}")
-        try:
-            mapping = Mapping.open(reply.segment)
-        finally:
-            if reply.handoff:
-                self._send_nowait(P.Release(segment=reply.segment))
-        return result_from(reply, mapping)
+    async def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all") -> Result:
+        return await self.run(core.encode(self.next_id, text, tokenizer, specials))
 
     async def stats(self) -> P.StatsReply:
-        return await self.call(P.Stats(id=self.next_id()))  # type: ignore[return-value]
+        return await self.run(core.request(P.Stats(id=self.next_id()), P.StatsReply))
 
     async def tokenizers(self) -> P.TokenizerList:
-        return await self.call(P.ListTokenizers(id=self.next_id()))  # type: ignore[return-value]
+        return await self.run(core.request(P.ListTokenizers(id=self.next_id()), P.TokenizerList))
+
+    async def ping(self) -> P.Pong:
+        """One round trip; the reply carries the sidecar's monotonic clock."""
+        return await self.run(core.request(P.Ping(id=self.next_id()), P.Pong))
 
 
 class AsyncSession(SessionView):
@@ -256,33 +274,20 @@ class AsyncSession(SessionView):
         self._lock = asyncio.Lock()
         self.last: Result | None = None
 
-    async def _open(self, text: str) -> Result:
-        reply = await self._client.call(self._state.open_request(self._client.next_id(), text))
-        return self._state.accept(reply, text)  # type: ignore[arg-type]
-
     async def _op(self, op: PendingOp) -> Result:
-        st = self._state
         async with self._lock:
-            try:
-                reply = await self._client.call(st.op_request(self._client.next_id(), op))
-            except (SessionMiss, SessionConflict):
-                if not st.recover:
-                    raise
-                self.last = await self._open(st.recovery_text(op))
-                return self.last
-            self.last = st.accept_op(reply, op)  # type: ignore[arg-type]
+            self.last = await self._client.run(self._state.op(self._client.next_id, op))
             return self.last
 
     async def append(self, text: str) -> Result:
-        return await self._op(PendingOp("append", text))
+        return await self._op(AppendOp(text))
 
     async def edit(self, start: int, end: int, text: str) -> Result:
-        return await self._op(PendingOp("edit", text, start, end))
+        return await self._op(EditOp(start, end, text))
 
     async def sync(self, text: str) -> Result:
-        return await self._op(PendingOp("sync", text))
+        return await self._op(SyncOp(text))
 
     async def close(self) -> bool:
         async with self._lock:
-            reply = await self._client.call(self._state.close_request(self._client.next_id()))
-            return bool(getattr(reply, "existed", False))
+            return await self._client.run(self._state.close(self._client.next_id))

@@ -12,38 +12,30 @@ Not thread-safe: use one Client per thread, or :class:`toktier_client.AsyncClien
 On a dropped connection the client reconnects (waiting up to
 ``reconnect_timeout`` for a restarting sidecar) and re-sends the request once;
 session ops carry the session's ``seq`` so a re-sent op can never apply twice.
+
+A thin adapter: the protocol (handshake, reply matching, typed errors) is the
+sans-IO :class:`~toktier_client.core.ClientConnection`, the conversations
+(recovery, hand-over) are the flows of :mod:`toktier_client.core` and
+:mod:`toktier_client._session`, shared with :class:`~toktier_client.AsyncClient`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
 import time
+from collections import deque
 
-import msgspec
-
+from . import core
 from . import protocol as P
-from ._session import PendingOp, SessionState, SessionView, result_from
-from .errors import (
-    ConnectionLost,
-    InvalidText,
-    ProtocolError,
-    RequestTimeout,
-    SessionConflict,
-    SessionMiss,
-    error_from_code,
-)
-from .shm import Mapping, Result
+from ._session import AppendOp, EditOp, PendingOp, SessionState, SessionView, SyncOp
+from .core import Answered, Backoff, Broken, ClientConnection, Event, Failed, Flow, T, Welcomed
+from .errors import ConnectionLost, RequestTimeout, TokTierError
+from .shm import Result
 
 _RECV_BYTES = 1 << 16
-
-
-def _encode(msg: P._Msg) -> bytearray:
-    try:
-        return P.encode_frame(msg)
-    except UnicodeEncodeError as exc:  # lone surrogates: local misuse, nothing was sent
-        raise InvalidText(f"text is not valid Unicode: {exc}") from None
 
 
 class Client:
@@ -65,8 +57,8 @@ class Client:
         self.client_name = client_name
         self.welcome: P.Welcome | None = None
         self._sock: socket.socket | None = None
-        self._decoder = P.FrameDecoder()
-        self._replies: list[bytes] = []
+        self._conn: ClientConnection | None = None
+        self._events: deque[Event] = deque()
         self._ids = itertools.count(1)
         self.connect()
 
@@ -81,40 +73,40 @@ class Client:
         except OSError as exc:
             sock.close()
             raise ConnectionLost(f"cannot connect to {self.socket_path}: {exc}") from exc
-        self._sock = sock
-        self._decoder = P.FrameDecoder()
-        self._replies = []
+        conn = ClientConnection(self.client_name)
+        self._sock, self._conn, self._events = sock, conn, deque()
         try:
-            sock.sendall(_encode(P.Hello(version=P.PROTOCOL_VERSION, client=self.client_name)))
+            sock.sendall(conn.hello())
         except OSError:
             pass  # a refusing server may close first: its error frame is still ours to read
-        reply = self._read_reply()
-        if isinstance(reply, P.Error):
-            self._drop()
-            raise error_from_code(reply.code, reply.message)
-        if not isinstance(reply, P.Welcome):
-            self._drop()
-            raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
-        self.welcome = reply
-        self._decoder.max_frame = max(reply.max_frame, 1 << 20)
+        try:
+            while True:
+                event = self._next_event(conn)
+                if isinstance(event, Welcomed):
+                    self.welcome = event.welcome
+                    return
+                if isinstance(event, Broken):
+                    raise event.error
+        except BaseException:
+            self._drop()  # refused, broken or timed out: no half-open connection stays behind
+            raise
 
     def _reconnect(self) -> None:
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.01
+        backoff = Backoff(self.reconnect_timeout)
         while True:
             try:
                 self.connect()
                 return
             except ConnectionLost:
-                if time.monotonic() >= deadline:
+                delay = backoff.next_delay()
+                if delay is None:
                     raise
                 time.sleep(delay)
-                delay = min(delay * 2, 0.5)
 
     def _drop(self) -> None:
         if self._sock is not None:
             self._sock.close()
-            self._sock = None
+        self._sock = self._conn = None
 
     def close(self) -> None:
         """Close the connection (sessions stay in the sidecar unless bound to it)."""
@@ -127,18 +119,17 @@ class Client:
         self.close()
 
     # -------------------------------------------------------------------- I/O
-    def _send(self, msg: P._Msg) -> None:
-        frame = _encode(msg)
-        if self._sock is None:
-            raise ConnectionLost("not connected")
+    def _write(self, frame: bytes | bytearray) -> None:
+        assert self._sock is not None
         try:
             self._sock.sendall(frame)
         except OSError as exc:
             self._drop()
             raise ConnectionLost(f"send failed: {exc}") from exc
 
-    def _read_reply(self) -> P.Reply:
-        while not self._replies:
+    def _next_event(self, conn: ClientConnection) -> Event:
+        """The next event of ``conn``, reading the socket as needed."""
+        while not self._events:
             if self._sock is None:
                 raise ConnectionLost("not connected")
             try:
@@ -146,40 +137,45 @@ class Client:
             except TimeoutError:
                 raise RequestTimeout(f"no reply within {self.timeout} s") from None
             except OSError as exc:
-                self._drop()
-                raise ConnectionLost(f"receive failed: {exc}") from exc
-            if not data:
-                self._drop()
-                raise ConnectionLost("the sidecar closed the connection")
-            try:
-                self._replies.extend(self._decoder.feed(data))
-            except P.FrameTooLargeError as exc:
-                self._drop()
-                raise ProtocolError(str(exc)) from None
-        body = self._replies.pop(0)
-        try:
-            return P.REPLY_DECODER.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._drop()
-            raise ProtocolError(f"undecodable reply: {exc}") from None
+                data, why = b"", f"receive failed: {exc}"
+            else:
+                why = "the sidecar closed the connection"
+            if data:
+                self._events.extend(conn.feed(data))
+            else:
+                self._events.append(conn.connection_lost(why) or Broken(ConnectionLost(why)))
+        return self._events.popleft()
 
-    def _roundtrip(self, msg: P._Msg) -> P.Reply:
-        self._send(msg)
+    def _roundtrip(self, msg: P.Request) -> P.Reply:
+        conn = self._conn
+        if conn is None or not conn.usable:
+            raise ConnectionLost("not connected")
+        self._write(conn.send(msg))
+        rid = getattr(msg, "id", 0)
         while True:
-            reply = self._read_reply()
-            if isinstance(reply, P.Error):
-                if reply.fatal:
-                    self._drop()
-                if reply.id in (0, msg.id):
-                    raise error_from_code(reply.code, reply.message, reply.id)
-            elif getattr(reply, "id", None) == msg.id:
-                return reply
-            # a reply to an earlier, abandoned request: skip it
+            try:
+                event = self._next_event(conn)
+            except RequestTimeout:
+                conn.abandon(rid)
+                raise
+            if isinstance(event, Broken):
+                self._drop()
+                raise event.error
+            if isinstance(event, (Answered, Failed)) and event.id == rid:
+                if isinstance(event, Failed):
+                    raise event.error
+                return event.reply
 
-    def call(self, msg: P._Msg) -> P.Reply:
+    def call(self, msg: P.Request) -> P.Reply | None:
         """Send one request and return its reply; typed error frames are raised.
-        Reconnects and re-sends once if the connection drops."""
-        if self._sock is None and self.reconnect:
+        Reconnects and re-sends once if the connection drops.  A one-way request (``Release``)
+        is sent if the connection is up, and returns None."""
+        if msg.one_way:
+            if self._conn is not None and self._conn.usable:
+                with contextlib.suppress(ConnectionLost):
+                    self._write(self._conn.send(msg))
+            return None
+        if self._conn is None and self.reconnect:
             self._reconnect()
         try:
             return self._roundtrip(msg)
@@ -188,6 +184,24 @@ class Client:
                 raise
             self._reconnect()
             return self._roundtrip(msg)
+
+    def run(self, flow: Flow[T]) -> T:
+        """Drive a sans-IO flow: send each request it yields, resume it with the reply or error."""
+        reply: P.Reply | None = None
+        error: TokTierError | None = None
+        try:
+            while True:
+                try:
+                    msg = flow.send(reply) if error is None else flow.throw(error)
+                except StopIteration as stop:
+                    return stop.value
+                reply, error = None, None
+                try:
+                    reply = self.call(msg)
+                except TokTierError as exc:
+                    error = exc
+        finally:
+            flow.close()
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -200,7 +214,7 @@ class Client:
         text: str = "",
         *,
         recover: bool = False,
-        specials: str = "all",
+        specials: P.Specials = "all",
         window: int = 0,
         bind_to_connection: bool = False,
     ) -> "Session":
@@ -211,68 +225,51 @@ class Client:
             bind_to_connection=bind_to_connection,
         )
         s = Session(self, state)
-        s.last = s._open(text)
+        s.last = self.run(state.open(self.next_id, text))
         return s
 
-    def encode(self, text: str, tokenizer: str = "", specials: str = "all") -> Result:
+    def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all") -> Result:
         """Stateless full encode; ``ids`` is a view of a one-shot shared-memory segment."""
-        reply = self.call(P.Encode(id=self.next_id(), text=text, tokenizer=tokenizer, specials=specials))
-        if not isinstance(reply, P.Ids):
-            raise ProtocolError(f"expected Ids, got {type(reply).__name__}")
-        try:
-            mapping = Mapping.open(reply.segment)
-        finally:
-            if reply.handoff:
-                self._send(P.Release(segment=reply.segment))
-        return result_from(reply, mapping)
+        return self.run(core.encode(self.next_id, text, tokenizer, specials))
 
     def stats(self) -> P.StatsReply:
-        return self.call(P.Stats(id=self.next_id()))  # type: ignore[return-value]
+        return self.run(core.request(P.Stats(id=self.next_id()), P.StatsReply))
 
     def tokenizers(self) -> P.TokenizerList:
-        return self.call(P.ListTokenizers(id=self.next_id()))  # type: ignore[return-value]
+        return self.run(core.request(P.ListTokenizers(id=self.next_id()), P.TokenizerList))
+
+    def ping(self) -> P.Pong:
+        """One round trip; the reply carries the sidecar's monotonic clock."""
+        return self.run(core.request(P.Ping(id=self.next_id()), P.Pong))
 
 
 class Session(SessionView):
     """A session bound to one tokenizer.  Each op returns a :class:`Result` whose ``ids`` view
-    is valid until the next op on this session."""
+    is valid until the next op on this session (``Result.valid`` tells)."""
 
     def __init__(self, client: Client, state: SessionState) -> None:
         self._client = client
         self._state = state
         self.last: Result | None = None
 
-    def _open(self, text: str) -> Result:
-        reply = self._client.call(self._state.open_request(self._client.next_id(), text))
-        return self._state.accept(reply, text)  # type: ignore[arg-type]
-
     def _op(self, op: PendingOp) -> Result:
-        st = self._state
-        try:
-            reply = self._client.call(st.op_request(self._client.next_id(), op))
-        except (SessionMiss, SessionConflict):
-            if not st.recover:
-                raise
-            self.last = self._open(st.recovery_text(op))
-            return self.last
-        self.last = st.accept_op(reply, op)  # type: ignore[arg-type]
+        self.last = self._client.run(self._state.op(self._client.next_id, op))
         return self.last
 
     def append(self, text: str) -> Result:
-        return self._op(PendingOp("append", text))
+        return self._op(AppendOp(text))
 
     def edit(self, start: int, end: int, text: str) -> Result:
         """Replace code points [start, end) with ``text``."""
-        return self._op(PendingOp("edit", text, start, end))
+        return self._op(EditOp(start, end, text))
 
     def sync(self, text: str) -> Result:
         """Make the session text equal ``text``."""
-        return self._op(PendingOp("sync", text))
+        return self._op(SyncOp(text))
 
     def close(self) -> bool:
         """Close the session in the sidecar; True if it existed."""
-        reply = self._client.call(self._state.close_request(self._client.next_id()))
-        return bool(getattr(reply, "existed", False))
+        return self._client.run(self._state.close(self._client.next_id))
 
     def __enter__(self) -> "Session":
         return self

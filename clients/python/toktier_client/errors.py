@@ -6,8 +6,11 @@ Two kinds, kept apart (as h11 and asyncpg do):
   Each wire :class:`~toktier_client.protocol.ErrorCode` maps to exactly one class
   here, and the classes carry the same names and builtin bases as the core
   library's (``UnknownTokenizer`` is a ``KeyError``, ``InvalidEditRange`` a
-  ``ValueError``...), so ``except KeyError`` works the same in-process and over
-  the socket.  The mapping is by code, never by message text.
+  ``ValueError``, ``ReferenceEngineError`` a ``RuntimeError``...), so ``except
+  KeyError`` works the same in-process and over the socket.  The mapping is by
+  code, never by message text; structured fields travel as frame fields
+  (``SessionMiss.reason``).  This package does not import ``toktier``: it
+  depends on the wire protocol only.
 * Local conditions: :class:`ConnectionLost` (the socket died),
   :class:`ProtocolError` (the *server* sent something this client cannot
   understand), :class:`SegmentAccessDenied`, :class:`SegmentGone` (a reply named a shared-memory segment that
@@ -16,7 +19,7 @@ Two kinds, kept apart (as h11 and asyncpg do):
 
 from __future__ import annotations
 
-from .protocol import ErrorCode
+from .protocol import Error, ErrorCode
 
 
 class TokTierError(Exception):
@@ -24,7 +27,8 @@ class TokTierError(Exception):
 
 
 class RemoteError(TokTierError):
-    """The sidecar refused or failed a request; ``code`` is the wire error code."""
+    """The sidecar refused or failed a request; ``code`` is the wire error code,
+    ``request_id`` the id of the request it answers (0 for the connection)."""
 
     code: ErrorCode = ErrorCode.INTERNAL
 
@@ -35,14 +39,29 @@ class RemoteError(TokTierError):
     def __str__(self) -> str:  # KeyError subclasses would quote the message otherwise
         return str(self.args[0]) if self.args else ""
 
+    @classmethod
+    def _from_frame(cls, frame: Error) -> "RemoteError":
+        """This class's instance for ``frame`` (subclasses with fields read theirs)."""
+        return cls(frame.message, request_id=frame.id)
+
 
 class SessionMiss(RemoteError, KeyError):
     """The session is unknown to the sidecar (never opened, closed, evicted or lost in a restart).
 
+    ``reason`` says why, as the core's ``SessionMiss.reason`` does: ``"closed"``,
+    ``"ttl"``, ``"memory"``, ``"capacity"``, ``"shutdown"`` or ``"unknown"``.
     Answer it by re-opening the session with its full text (``Client.session(...,
     recover=True)`` does this automatically)."""
 
     code = ErrorCode.SESSION_MISS
+
+    def __init__(self, message: str = "", *, request_id: int = 0, reason: str = "unknown") -> None:
+        super().__init__(message, request_id=request_id)
+        self.reason = reason
+
+    @classmethod
+    def _from_frame(cls, frame: Error) -> "SessionMiss":
+        return cls(frame.message, request_id=frame.id, reason=frame.reason or "unknown")
 
 
 class SessionConflict(RemoteError):
@@ -68,6 +87,20 @@ class TokenizerDataMissing(RemoteError, FileNotFoundError):
     """A bundled tokenizer whose reference data is not installed on the sidecar host."""
 
     code = ErrorCode.TOKENIZER_DATA_MISSING
+
+
+class UnsupportedTokenizer(RemoteError, ValueError):
+    """A tokenizer file the sidecar cannot load at all (not a tokenizer.json / tiktoken rank file)."""
+
+    code = ErrorCode.UNSUPPORTED_TOKENIZER
+
+
+class ReferenceEngineError(RemoteError, RuntimeError):
+    """The reference tokenizer engine itself failed on this text (the message names its error).
+
+    Not a TokTier bug and not retryable as is: TokTier has no answer where its reference has none."""
+
+    code = ErrorCode.REFERENCE_ENGINE_ERROR
 
 
 class InvalidEditRange(RemoteError, ValueError):
@@ -162,12 +195,17 @@ ERRORS_BY_CODE: dict[ErrorCode, type[RemoteError]] = {
     cls.code: cls
     for cls in (
         SessionMiss, SessionConflict, UnknownTokenizer, TokenizerMismatch, TokenizerDataMissing,
-        InvalidEditRange, InvalidText, BadRequest, BadFrame, FrameTooLarge, TooLarge, Overloaded,
-        PermissionDenied, VersionMismatch, ShuttingDown, InternalError,
+        UnsupportedTokenizer, InvalidEditRange, InvalidText, BadRequest, BadFrame, FrameTooLarge, TooLarge,
+        Overloaded, PermissionDenied, VersionMismatch, ShuttingDown, ReferenceEngineError, InternalError,
     )
 }
 
 
-def error_from_code(code: ErrorCode, message: str, request_id: int = 0) -> RemoteError:
-    """The exception instance for a wire error frame."""
-    return ERRORS_BY_CODE.get(code, InternalError)(message, request_id=request_id)
+def error_from_frame(frame: Error) -> RemoteError:
+    """The exception for a wire error frame: the class of its code, with the frame's fields."""
+    return ERRORS_BY_CODE.get(frame.code, InternalError)._from_frame(frame)
+
+
+def error_from_code(code: ErrorCode, message: str, request_id: int = 0, reason: str = "") -> RemoteError:
+    """The exception for an error code (``error_from_frame`` without a frame)."""
+    return error_from_frame(Error(id=request_id, code=code, message=message, reason=reason))

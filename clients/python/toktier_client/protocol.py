@@ -17,8 +17,8 @@ Conversation::
                                 <-------    Welcome(version, limits)   | Error(fatal)
     Open/Append/Edit/Sync/      ------->
     Encode/Close/Stats/
-    ListTokenizers (id=N)
-                                <-------    Ids/Closed/StatsReply/TokenizerList/Error (id=N)
+    ListTokenizers/Ping (id=N)
+                                <-------    Ids/Closed/StatsReply/TokenizerList/Pong/Error (id=N)
     Release(segment)            ------->    (no reply)
 
 Requests carry a client-chosen ``id``; replies carry the same ``id`` and may arrive
@@ -27,8 +27,12 @@ applied in arrival order).  Token IDs never travel in frames: an ``Ids`` reply
 says where they are in shared memory (see ``toktier_client.shm``).
 
 Text offsets (``Edit.start``/``Edit.end``) count Unicode code points, as Python
-``str`` indices do.  New fields are only ever added with defaults, so older peers
-keep decoding newer messages.
+``str`` indices do.  Enum-like strings are ``Literal`` types (msgspec refuses
+other values at decode time, as ``bad_request``).  New fields are only ever added
+with defaults, so older peers keep decoding newer messages.
+
+The sidecar serves each request type with one handler (``sidecar.service.HANDLERS``);
+adding an op is one Struct here, one handler there, one client method.
 
 >>> frame = encode_frame(Hello(version=PROTOCOL_VERSION))
 >>> FrameDecoder(max_frame=1024).feed(frame)[0] == frame[4:]
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Union
+from typing import ClassVar, Literal, Union
 
 import msgspec
 
@@ -55,6 +59,11 @@ DEFAULT_MAX_FRAME = 4 * DEFAULT_MAX_SESSION_CHARS + 64 * 1024
 
 HEADER = struct.Struct(">I")
 
+#: ``"all"``: special-token literals in the text are special tokens; ``"none"``: plain text.
+Specials = Literal["all", "none"]
+#: How the sidecar got a result (``toktier.RepairPath`` values).
+RepairPathName = Literal["noop", "first_window", "widened", "full"]
+
 
 class ErrorCode(str, enum.Enum):
     """Typed error codes; the client maps each to one exception class."""
@@ -64,6 +73,8 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_TOKENIZER = "unknown_tokenizer"
     TOKENIZER_MISMATCH = "tokenizer_mismatch"
     TOKENIZER_DATA_MISSING = "tokenizer_data_missing"
+    UNSUPPORTED_TOKENIZER = "unsupported_tokenizer"
+    REFERENCE_ENGINE_ERROR = "reference_engine_error"
     INVALID_EDIT_RANGE = "invalid_edit_range"
     INVALID_TEXT = "invalid_text"
     BAD_REQUEST = "bad_request"
@@ -78,7 +89,10 @@ class ErrorCode(str, enum.Enum):
 
 
 class _Msg(msgspec.Struct, tag_field="t", omit_defaults=True, frozen=True):
-    """Base of every wire message."""
+    """Base of every wire message (private: parameters are typed ``Request`` / ``Reply``)."""
+
+    #: True for a request that gets no reply (``Release``).
+    one_way: ClassVar[bool] = False
 
 
 # --------------------------------------------------------------------- requests
@@ -105,7 +119,7 @@ class Open(_Msg, tag="open"):
     session: str
     tokenizer: str = ""
     text: str = ""
-    specials: str = "all"
+    specials: Specials = "all"
     window: int = 0
     bind_to_connection: bool = False
 
@@ -148,7 +162,7 @@ class Encode(_Msg, tag="encode"):
     id: int
     text: str
     tokenizer: str = ""
-    specials: str = "all"
+    specials: Specials = "all"
 
 
 class Close(_Msg, tag="close"):
@@ -166,13 +180,21 @@ class ListTokenizers(_Msg, tag="list_tokenizers"):
     id: int
 
 
+class Ping(_Msg, tag="ping"):
+    """Liveness round trip; answered with ``Pong`` without touching any session."""
+
+    id: int
+
+
 class Release(_Msg, tag="release"):
     """The client has mapped handoff ``segment``; the sidecar unlinks its name.  No reply."""
+
+    one_way: ClassVar[bool] = True
 
     segment: str
 
 
-Request = Union[Hello, Open, Append, Edit, Sync, Encode, Close, Stats, ListTokenizers, Release]
+Request = Union[Hello, Open, Append, Edit, Sync, Encode, Close, Stats, ListTokenizers, Ping, Release]
 SESSION_OPS = (Open, Append, Edit, Sync, Close)
 
 # ---------------------------------------------------------------------- replies
@@ -185,7 +207,7 @@ class Welcome(_Msg, tag="welcome"):
     max_session_chars: int
     max_inflight: int
     default_tokenizer: str
-    namespace: str = ""
+    namespace: Literal["", "shared", "peer-uid"] = ""
 
 
 class Ids(_Msg, tag="ids"):
@@ -201,7 +223,7 @@ class Ids(_Msg, tag="ids"):
     count: int
     seq: int
     first_changed: int
-    path: str
+    path: RepairPathName
     tokenizer: str
     widenings: int = 0
     handoff: bool = False
@@ -216,7 +238,7 @@ class TokenizerInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str
     hash: str
     family: str = ""
-    specials: str = "all"
+    specials: Specials = "all"
 
 
 class TokenizerList(_Msg, tag="tokenizers"):
@@ -243,17 +265,27 @@ class StatsReply(_Msg, tag="stats_reply"):
     mismatches: int = 0  # ... that differed from the reference (each one is logged with a reproducer)
 
 
+class Pong(_Msg, tag="pong"):
+    """The answer to ``Ping``: the sidecar's ``time.monotonic()`` when it answered."""
+
+    id: int
+    monotonic: float
+
+
 class Error(_Msg, tag="error"):
     """A typed failure of request ``id`` (0 when the request could not be identified).
-    ``fatal`` means the sidecar closes the connection after this frame."""
+    ``fatal`` means the sidecar closes the connection after this frame.  ``reason``
+    is machine-readable detail: for ``session_miss``, why the session is not open
+    (a ``toktier.EndCause`` value: ``closed``, ``ttl``, ``memory``, ... or ``unknown``)."""
 
     id: int
     code: ErrorCode
     message: str
     fatal: bool = False
+    reason: str = ""
 
 
-Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Error]
+Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Pong, Error]
 
 REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
 REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
@@ -343,7 +375,7 @@ class FrameDecoder:
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def encode_frame(msg: _Msg, encoder: msgspec.msgpack.Encoder = _ENCODER) -> bytearray:
+def encode_frame(msg: Request | Reply, encoder: msgspec.msgpack.Encoder = _ENCODER) -> bytearray:
     """One frame (header + msgpack body) for ``msg``, built in a single buffer (no extra copy)."""
     buf = bytearray(4)
     encoder.encode_into(msg, buf, 4)

@@ -15,15 +15,17 @@ prefix + 128 random bits, so it cannot be guessed).  Layout, little-endian::
   the IDs *in place* (a repair rewrites only ``ids[first_changed:]``) and then
   stores ``seq``/``count``.  When a session outgrows ``capacity`` the sidecar
   creates a bigger segment, copies, and unlinks the old name; mappings of the
-  old segment stay readable (unlinking never unmaps) but stop changing.
+  old segment stay readable (unlinking never unmaps) but stop changing.  A
+  segment the session left (moved to a bigger one, closed, expired, evicted,
+  sidecar stopped) gets ``seq = RETIRED_SEQ`` (2**64 - 1), which no state has.
 * Handoff segments (stateless ``Encode``): written once, ``seq`` = 0; the client
   maps one and sends ``Release`` so the sidecar unlinks the name; the pages are
   freed when the last numpy view of them is garbage-collected.
 
 A :class:`Result`'s ``ids`` is a read-only numpy view straight over the mapping:
 no copy, no Python list.  For a session result it is valid until the next op on
-that session (``Result.valid`` compares the header's ``seq`` with the result's);
-``ids.copy()`` if you need it longer.
+that session, or until the session moves to another segment or ends
+(``Result.valid`` tells exactly); ``ids.copy()`` if you need it longer.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ HEADER_DTYPE = np.dtype(
 )
 IDS_DTYPE = np.dtype("<u4")
 assert HEADER_DTYPE.itemsize == HEADER_BYTES
+#: Header ``seq`` of a segment its session has left: no result's seq ever equals it.
+RETIRED_SEQ = 2**64 - 1
 
 
 def segment_bytes(capacity: int) -> int:
@@ -105,6 +109,20 @@ class Mapping:
         return int(self.header["seq"][0])
 
 
+class Lease:
+    """Live while a result is its session's latest state as this client knows it; the client
+    ends it when a later op on the session succeeds, when the session is closed, and when the
+    sidecar says the session is gone (miss, conflict).  Shared by nothing else."""
+
+    __slots__ = ("live",)
+
+    def __init__(self) -> None:
+        self.live = True
+
+    def end(self) -> None:
+        self.live = False
+
+
 @dataclass(frozen=True, slots=True)
 class Result:
     """One op's outcome.  ``ids`` is a zero-copy read-only view of shared memory.
@@ -122,11 +140,18 @@ class Result:
     tokenizer: str
     segment: str
     _mapping: Mapping
+    _lease: Lease | None = None
 
     @property
     def valid(self) -> bool:
-        """True while ``ids`` still shows this op's state (no later op on the session ran)."""
-        return self.seq == 0 or self._mapping.seq == self.seq
+        """True while ``ids`` still shows the session's current state: False once a later op
+        ran (through any client), once the session moved to another segment, was closed,
+        expired or evicted, or this client saw it missing.  Stateless results stay valid."""
+        if self.seq == 0:
+            return True  # a one-shot handoff: never rewritten
+        if self._lease is not None and not self._lease.live:
+            return False
+        return self._mapping.seq == self.seq  # another client's op, or the sidecar retired it
 
     def __len__(self) -> int:
         return len(self.ids)
