@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of results the shadow verifier re-encodes in the background (default 0.01; 0 = off)")
     p.add_argument("--verify-disable-on-mismatch", action="store_true", default=None,
                    help="on a confirmed mismatch, serve that tokenizer by full tokenization until SIGHUP")
+    p.add_argument("--no-gpu", dest="gpu", action="store_false", default=None,
+                   help="keep every whole-text encode on the CPU (default: the GPU takes large ones when present)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -76,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config(args: argparse.Namespace) -> ServerConfig:
     values: dict[str, object] = {}
     if args.config:
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+            import tomli as tomllib
 
         with open(args.config, "rb") as f:
             values.update(tomllib.load(f))
@@ -96,6 +101,9 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
     window = int(values.get("window", 0))  # type: ignore[arg-type]
     if window and window < 16:
         raise SystemExit(f"window must be 0 (the session default) or at least 16 bytes, not {window}")
+    rate = float(values.get("verify_rate", 0.0))  # type: ignore[arg-type]
+    if not 0.0 <= rate <= 1.0:
+        raise SystemExit(f"verify-rate must be in [0, 1], not {rate}")
     if "max_session_chars" in values and "max_frame" not in values:
         values["max_frame"] = 4 * int(values["max_session_chars"]) + 64 * 1024  # type: ignore[arg-type]
     return ServerConfig(**values)  # type: ignore[arg-type]

@@ -70,6 +70,9 @@ class ServerConfig:
     #: On a confirmed mismatch, send every session of that tokenizer down the full path
     #: until an operator re-enables it (SIGHUP re-enables all tokenizers).
     verify_disable_on_mismatch: bool = False
+    #: Try the GPU full path for large whole-text encodes when a driver (pycuda/CuPy + GPU) is
+    #: present; without one every encode stays on the CPU either way.
+    gpu: bool = True
     #: Seconds to let in-flight requests finish on SIGTERM.
     shutdown_grace: float = 10.0
 

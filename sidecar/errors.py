@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from toktier.errors import (
     InvalidEditRange,
+    InvalidState,
     InvalidText,
     ReferenceEngineError,
     TokenizerDataMissing,
@@ -70,6 +71,7 @@ _CORE_CODES: dict[type[BaseException], ErrorCode] = {
     # The reference engine itself failed on this text: expected (not a TokTier bug); the
     # client re-raises it as its own ReferenceEngineError (a RuntimeError, as in the core).
     ReferenceEngineError: ErrorCode.REFERENCE_ENGINE_ERROR,
+    InvalidState: ErrorCode.INVALID_STATE,
 }
 
 

@@ -37,6 +37,13 @@ class _StateCollector:
         yield CounterMetricFamily("toktier_sessions_opened", "Sessions opened", value=s["opened"])
         yield CounterMetricFamily("toktier_session_misses", "Requests for sessions that are not open",
                                   value=s["misses"])
+        routes = CounterMetricFamily("toktier_full_path_encodes", "Whole-text encodes (session starts, "
+                                     "fallbacks, big windows), by where they ran", labels=["route"])
+        for route, n in s["full_path"].items():
+            routes.add_metric([route], n)
+        yield routes
+        yield CounterMetricFamily("toktier_full_path_chars", "Characters encoded by the full path",
+                                  value=s["full_path_chars"])
 
 
 class Metrics:

@@ -226,6 +226,14 @@ class SessionService:
             on_end=self._ended,
         )
         self.bundled = frozenset(toktier.list_tokenizers())
+        # One full path for every session: parallel CPU chunks, the GPU first when configured
+        # and a driver is present (the router probes for one lazily, on the first big encode).
+        gpu = None
+        if config.gpu:
+            from toktier.gpu.router import Router
+
+            gpu = Router()
+        self.full_path = toktier.FullPath(toktier.FullPathConfig(), gpu=gpu)
         # Set by the server when the shadow verifier may disable a tokenizer's fast path.
         self.fast_path_disabled: Callable[[str], bool] = lambda tokenizer_hash: False
         # Set by the server: runs on the loading thread after each tokenizer load (the
@@ -359,7 +367,7 @@ class SessionService:
         arena = self.pool.session_arena()
         try:
             session = toktier.Session(tok, req.text, window=req.window or self.config.window or None,
-                                      allocator=arena.allocate)
+                                      allocator=arena.allocate, full_path=self.full_path)
             slot = Slot(session, arena, tok)
             if req.text:
                 path, first_changed = toktier.RepairPath.FULL.value, 0
@@ -442,9 +450,13 @@ class SessionService:
 
     def snapshot(self, connections: int) -> dict:
         st = self.store.stats()
+        fp = self.full_path.stats()
         return dict(sessions=st.live, bytes_held=st.bytes_held, shm_bytes=self.pool.live_bytes,
                     shm_segments=self.pool.live_segments, connections=connections, ended=st.ended,
-                    opened=st.opened, misses=st.misses)
+                    opened=st.opened, misses=st.misses,
+                    full_path={"gpu": fp.gpu, "cpu_chunked": fp.chunked,
+                               "cpu_single": fp.encodes - fp.gpu - fp.chunked},
+                    full_path_chars=fp.chars)
 
     def tokenizer_list(self, rid: int) -> P.TokenizerList:
         loaded = [P.TokenizerInfo(name=t.name, hash=t.hash, family=t.family or "", specials=t.specials)

@@ -30,12 +30,12 @@ def build() -> Path | None:
     if gxx is None:
         return None
     h = hashlib.sha256(EMU_SRC.read_bytes())
-    for f in sorted(driver.CUDA_SRC.glob("*.cu*")):
+    for f in sorted(driver.cuda_src_dir().glob("*.cu*")):
         h.update(f.read_bytes())
     out = Path(tempfile.gettempdir()) / f"toktier_cuda_emu_{h.hexdigest()[:16]}.so"
     if not out.is_file():
         tmp = out.with_suffix(".tmp.so")
-        proc = subprocess.run([gxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", f"-I{driver.CUDA_SRC}",
+        proc = subprocess.run([gxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", f"-I{driver.cuda_src_dir()}",
                                "-x", "c++", str(EMU_SRC), "-o", str(tmp)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-4000:])

@@ -24,7 +24,7 @@ from toktier.families import GpuRules
 from toktier.gpu import cuda_graph, driver
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
-SRC = driver.CUDA_SRC / driver.MAIN_SOURCE
+SRC = driver.cuda_src_dir() / driver.MAIN_SOURCE
 FLAGS = ["--Werror", "all-warnings", "-Xptxas", "-Werror", "-Xcompiler", "-Wall,-Wextra", "-O3", "--std=c++17"]
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -36,7 +36,7 @@ def cubin(request, tmp_path_factory) -> bytes:
         pytest.skip("nvcc not found")
     out = tmp_path_factory.mktemp("cubin") / f"toktier_{request.param}.cubin"
     proc = subprocess.run([NVCC, f"-arch={request.param}", "-cubin", "-o", str(out), str(SRC), *FLAGS],
-                          capture_output=True, text=True, cwd=str(driver.CUDA_SRC), timeout=300)
+                          capture_output=True, text=True, cwd=str(driver.cuda_src_dir()), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "warning" not in (proc.stdout + proc.stderr).lower(), proc.stdout + proc.stderr
     return out.read_bytes()
@@ -64,7 +64,7 @@ def test_driver_launches_only_existing_kernels(cubin, rules):
 
 
 def test_struct_layout_matches_header():
-    hdr = (driver.CUDA_SRC / "tt_common.cuh").read_text()
+    hdr = (driver.cuda_src_dir() / "tt_common.cuh").read_text()
     bufs = int(re.search(r"sizeof\(TTBufs\) == (\d+) \* 8", hdr).group(1))
     tabs = int(re.search(r"sizeof\(TTTables\) == (\d+) \* 8", hdr).group(1))
     assert bufs == len(driver._BUF_FIELDS)
@@ -76,7 +76,7 @@ def test_struct_layout_matches_header():
     for name in ("L", "N", "M", "W", "K", "UP", "LO", "PS"):
         assert re.search(rf"#define TT_{name} {getattr(charclass, name)}u\b", hdr), name
     assert f"#define TT_FOLD_SHIFT {charclass.FOLD_SHIFT}" in hdr
-    assert "cls_table[cp] & 0xFFFFu" in (driver.CUDA_SRC / "tt_pretok.cuh").read_text()  # NFC_INERT unseen
+    assert "cls_table[cp] & 0xFFFFu" in (driver.cuda_src_dir() / "tt_pretok.cuh").read_text()  # NFC_INERT unseen
     assert charclass.NFC_INERT > 0xFFFF
 
 

@@ -21,6 +21,7 @@ import pytest
 from adversarial import ATOMS
 from conftest import ALL_TOKENIZERS, get_tokenizer
 from toktier.tools.corpus import chat_wrap, samples
+from toktier.fullpath import FullPath
 
 gpu_emu = pytest.importorskip("gpu_emu")
 
@@ -118,8 +119,8 @@ def test_emulated_router_self_check_and_route(drv):
     assert drv.verified(tok)  # the driver's one-time self-check text, through the kernels
     r = Router(driver=drv)
     text = _real_mix(120)
-    assert np.array_equal(r.encode(tok, text), tok.encode(text)) and r.last_route == "gpu"
-    assert np.array_equal(r.encode(tok, "tiny"), tok.encode("tiny")) and r.last_route == "cpu"
+    assert np.array_equal(FullPath(gpu=r).encode(tok, text), tok.encode(text)) and r.last_route == "gpu"
+    assert np.array_equal(FullPath(gpu=r).encode(tok, "tiny"), tok.encode("tiny")) and r.last_route == "cpu"
 
 
 @pytest.mark.parametrize("op", ["tt_scan_max", "tt_scan_min_rev", "tt_scan_sum"])

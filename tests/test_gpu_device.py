@@ -15,6 +15,7 @@ from adversarial import ATOMS
 from conftest import ALL_TOKENIZERS, get_tokenizer
 from toktier.tools.corpus import chat_wrap, large_text, samples
 from toktier.gpu import driver as gpu_driver
+from toktier.fullpath import FullPath
 
 pytestmark = pytest.mark.gpu
 
@@ -85,5 +86,5 @@ def test_router_sends_large_segments_to_gpu(drv):
     tok = get_tokenizer("o200k_base")
     r = Router(driver=drv)
     text = large_text(20_000, seed=9)
-    assert np.array_equal(r.encode(tok, text), tok.encode(text))
+    assert np.array_equal(FullPath(gpu=r).encode(tok, text), tok.encode(text))
     assert r.last_route == "gpu"

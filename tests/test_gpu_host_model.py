@@ -27,6 +27,7 @@ from toktier.families import FAMILIES, GpuRules
 from toktier.families.o200k import O200K
 from toktier.gpu import bpe_model, pretok_model, router, tables
 from toktier.gpu.pretok_model import segment_pieces, split_literals
+from toktier.fullpath import FullPath
 
 # Rule sets modelling one regex (all but DeepSeek's three stages), from the family modules.
 REGEX_RULES = {str(rules): splits[0] for spec in FAMILIES.values() for splits, rules in spec.splits.items()
@@ -254,7 +255,7 @@ def test_router_routes_and_keeps_contract():
     tok = get_tokenizer("cl100k_base")
     r = router.Router()
     text = large_text(5000, seed=1)
-    assert np.array_equal(r.encode(tok, text), tok.encode(text))
+    assert np.array_equal(FullPath(gpu=r).encode(tok, text), tok.encode(text))
     assert router.gpu_eligible(tok, "short")[1] == "small"
     assert router.gpu_eligible(tok, text)[0]
 
@@ -263,8 +264,8 @@ def test_router_routes_and_keeps_contract():
             return bpe_model.encode_with_spans(tok, text)
 
     r2 = router.Router(driver=FakeDriver())
-    assert np.array_equal(r2.encode(tok, text), tok.encode(text)) and r2.last_route == "gpu"
-    assert np.array_equal(r2.encode(tok, "tiny"), tok.encode("tiny")) and r2.last_route == "cpu"
+    assert np.array_equal(FullPath(gpu=r2).encode(tok, text), tok.encode(text)) and r2.last_route == "gpu"
+    assert np.array_equal(FullPath(gpu=r2).encode(tok, "tiny"), tok.encode("tiny")) and r2.last_route == "cpu"
 
 
 def test_router_nfc_quick_check():

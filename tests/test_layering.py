@@ -118,3 +118,65 @@ def test_serve_dispatches_through_the_one_module_name(monkeypatch):
     monkeypatch.setattr(cli, "SERVE_MODULE", "fake_server_cli")
     assert cli.main(["serve", "--socket", "x"]) == 0
     assert seen == [["--socket", "x"]]
+
+
+def _core_import_graph() -> dict[str, set[str]]:
+    """toktier module -> toktier modules it imports (any import statement, also inside functions)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(toktier.__file__).resolve().parent
+    mods = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
+        parts = list(rel.parts)
+        if "tools" in parts:
+            continue  # tooling sits above the core; its own imports are not the core's
+        is_pkg = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_pkg else parts)
+        mods[name] = (path, is_pkg)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, (path, is_pkg) in mods.items():
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                mod = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    graph[name].add(t)
+    return graph
+
+
+def test_no_import_cycle_in_the_core():
+    """The core's modules form a DAG (packages' own __init__ re-exports aside)."""
+    graph = _core_import_graph()
+    assert "toktier.fullpath" in graph and "toktier.gpu.router" in graph
+    # A package's __init__ re-exports its submodules; a submodule reaching back to its package's
+    # __init__ (rather than a sibling module) would be the cycle to catch, so keep those edges.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)

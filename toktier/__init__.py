@@ -15,6 +15,7 @@ text; a repair that cannot be certified falls back to full tokenization.
 
 from .errors import (
     InvalidEditRange,
+    InvalidState,
     InvalidText,
     ReferenceEngineError,
     TokenizerDataMissing,
@@ -22,6 +23,7 @@ from .errors import (
     UnknownTokenizer,
     UnsupportedTokenizer,
 )
+from .fullpath import FullPath, FullPathConfig
 from .registry import FrozenTokenizer, Registry, list_tokenizers, load_tokenizer
 from .session import OpResult, RepairPath, Session, SessionStats
 from .store import EndCause, SessionMiss, SessionStore
@@ -29,7 +31,10 @@ from .store import EndCause, SessionMiss, SessionStore
 __all__ = [
     "EndCause",
     "FrozenTokenizer",
+    "FullPath",
+    "FullPathConfig",
     "InvalidEditRange",
+    "InvalidState",
     "InvalidText",
     "OpResult",
     "Registry",

@@ -34,6 +34,10 @@ class InvalidText(TokTierError, ValueError):
     """Text that is not a valid Unicode string (e.g. lone surrogates cannot be UTF-8 encoded)."""
 
 
+class InvalidState(TokTierError, ValueError):
+    """A `(text, ids)` state that is not the reference encoding (or whose certificate is corrupt)."""
+
+
 class ReferenceEngineError(TokTierError, RuntimeError):
     """The reference engine itself failed (raised or panicked) on a text or a file.
 

@@ -15,13 +15,28 @@ rayon pool whose workers take newly submitted jobs only after their own queued w
 so in a server a 40K-character repair submitted during a 4M-character session start
 waited for the whole start (943 ms instead of 25 ms, measured on 2 cores).  Threads
 of its own let the OS share the cores between both.
+
+A `FullPath` is what a `Session` is given (like its allocator): the CPU chunking above
+plus an optional GPU encoder (`toktier.gpu.router.Router`, or anything with
+``try_encode(tok, text) -> ids | None``), with counters a server exports.  The core
+builds none on its own: a session without one gets a CPU-only `FullPath`.
+
+>>> import toktier
+>>> tok = toktier.load_tokenizer("cl100k_base")
+>>> fp = FullPath()
+>>> fp.encode(tok, "hello world").tolist() == tok.encode("hello world").tolist()
+True
+>>> fp.stats()
+FullPathStats(encodes=1, gpu=0, chunked=0, chars=11)
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -37,9 +52,20 @@ class FullPathConfig:
     #: cores: 20K chars 7.5 -> 5.1 ms, 40K 19.6 -> 10.3 ms, 160K 77 -> 35 ms against one encode).
     chunk_chars: int = 0
     min_parallel_chars: int = 16_384
-    # Try the GPU path first (toktier.gpu.router); it declines without a device, for
-    # small texts and unsupported families, and under back-pressure.
-    use_gpu: bool = True
+
+
+class GpuEncoder(Protocol):
+    """What a `FullPath` asks of a GPU: IDs for `text`, or None to keep it on the CPU."""
+
+    def try_encode(self, tok: FrozenTokenizer, text: str) -> np.ndarray | None: ...
+
+
+@dataclass(frozen=True)
+class FullPathStats:
+    encodes: int = 0  # whole-text encodes served
+    gpu: int = 0  # ... of which the GPU answered
+    chunked: int = 0  # ... of which ran as parallel CPU chunks
+    chars: int = 0  # characters encoded
 
 
 def chunk_cuts(tok: FrozenTokenizer, text: str, chunk_chars: int) -> list[int]:
@@ -76,14 +102,13 @@ def _adaptive_chunk(n_chars: int) -> int:
 
 
 def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathConfig()) -> np.ndarray:
-    """Exactly `tok.encode(text)`: on the GPU when one takes it, else in parallel chunks
-    when the text is large enough, else one reference encode."""
-    if cfg.use_gpu:
-        from .gpu.router import try_gpu  # never calls encode_full: no recursion
+    """Exactly `tok.encode(text)` on the CPU: parallel chunks when the text is large enough,
+    else one reference encode."""
+    return _encode_cpu(tok, text, cfg)[0]
 
-        ids = try_gpu(tok, text)
-        if ids is not None:
-            return ids
+
+def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> tuple[np.ndarray, bool]:
+    """(IDs, whether they were encoded in parallel chunks)."""
     # tiktoken encodes ~7x faster than HF and chunking it gained 1.0-1.5x on 2 cores (less
     # than its cut search costs below 160K characters), so only HF engines are chunked.
     chunked = tok.engine.engine_name == "tokenizers" and len(text) >= cfg.min_parallel_chars
@@ -91,9 +116,44 @@ def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathC
     if not cuts:
         # encode_fast releases the GIL (HF batch API, tiktoken), so a server thread
         # doing a session start never freezes the event loop.
-        return tok.encode_fast(text)
+        return tok.encode_fast(text), False
     bounds = [0, *cuts, len(text)]
     chunks = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1), thread_name_prefix="toktier-chunk") as pool:
         parts = list(pool.map(tok.encode_fast, chunks))
-    return np.concatenate(parts).astype(np.uint32, copy=False)
+    return np.concatenate(parts).astype(np.uint32, copy=False), True
+
+
+class FullPath:
+    """Whole-text tokenization for sessions: the GPU when one is given and takes the text,
+    else parallel CPU chunks.  Thread-safe; counts what it did (`stats`)."""
+
+    def __init__(self, config: FullPathConfig = FullPathConfig(), gpu: GpuEncoder | None = None) -> None:
+        self.config = config
+        self.gpu = gpu
+        self._lock = threading.Lock()
+        self._counts = {"encodes": 0, "gpu": 0, "chunked": 0, "chars": 0}
+
+    def encode(self, tok: FrozenTokenizer, text: str) -> np.ndarray:
+        """Exactly `tok.encode(text)`."""
+        ids = self.gpu.try_encode(tok, text) if self.gpu is not None else None
+        on_gpu = ids is not None
+        chunked = False
+        if ids is None:
+            ids, chunked = _encode_cpu(tok, text, self.config)
+        with self._lock:
+            c = self._counts
+            c["encodes"] += 1
+            c["gpu"] += on_gpu
+            c["chunked"] += chunked
+            c["chars"] += len(text)
+        return ids
+
+    def is_parallel(self, n_chars: int) -> bool:
+        """Whether a text of `n_chars` characters is worth this path's parallel machinery
+        (a session sends such windows here instead of one encode on its own thread)."""
+        return n_chars >= self.config.min_parallel_chars
+
+    def stats(self) -> FullPathStats:
+        with self._lock:
+            return FullPathStats(**self._counts)

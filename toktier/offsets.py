@@ -34,6 +34,13 @@ class SparseOffsets:
     def nbytes(self) -> int:
         return self._cp.nbytes
 
+    def copy(self) -> "SparseOffsets":
+        """An independent copy (for `Session.fork`)."""
+        new = SparseOffsets(self._token_len)
+        new._cp = GrowableU32(capacity=self._cp.n)
+        new._cp.assign(self._cp.view())
+        return new
+
     def reserve_for(self, n_tokens: int) -> None:
         """Allocate for `n_tokens` tokens now (so a later rebuild cannot fail half-way)."""
         self._cp.reserve(-(-n_tokens // STRIDE))

@@ -45,6 +45,9 @@ class FrozenTokenizer:
     literals: LiteralIndex = field(repr=False)
     table: TokenTable = field(repr=False)  # per-token bytes and lengths, from the engine
     max_token_bytes: int = 0
+    #: Lazily derived, immutable data of optional paths (the GPU's tables); filled at most once
+    #: per key (a race computes a value twice, never a different one).  Not copied by `replace`.
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def family(self) -> str | None:

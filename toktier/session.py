@@ -36,14 +36,15 @@ for large texts encodes chunks cut at standalone-stable boundaries in parallel
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .boundaries import LiteralFilter, char_byte_offsets
 from .buffers import Allocator, GrowableU32
-from .errors import InvalidEditRange, InvalidText
-from .fullpath import FullPathConfig, encode_full
+from .errors import InvalidEditRange, InvalidState, InvalidText
+from .fullpath import FullPath
 from .offsets import SparseOffsets
 from .registry import FrozenTokenizer
 
@@ -121,13 +122,16 @@ class Session:
     """
 
     def __init__(self, tokenizer: FrozenTokenizer, text: str = "", *, window: int | None = None,
-                 allocator: Allocator | None = None) -> None:
+                 allocator: Allocator | None = None, full_path: FullPath | None = None) -> None:
         if window is None:
             window = default_window(tokenizer)
         if window < 16:
             raise ValueError(f"window must be at least 16 bytes, not {window}")
         self.tokenizer = tokenizer
         self.window = int(window)
+        # Whole-text encodes (session start, fallbacks, huge windows); injected like the
+        # allocator: a server passes one with its GPU router and exports its counters.
+        self.full_path = full_path or FullPath()
         self.stats = SessionStats()
         self._text = bytearray()
         self._nchars = 0
@@ -145,6 +149,94 @@ class Session:
             if len(data) >= MAX_TEXT_BYTES:
                 raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
             self._full(data, len(text), reason="initial text")
+
+    # -- forks and primed sessions ---------------------------------------------
+    def fork(self, *, allocator: Allocator | None = None) -> "Session":
+        """An independent session with this one's text and IDs (a copy: O(N) memcpy, no encode).
+
+        Branches (retries, parallel sub-agents, tree search) fork a shared prefix and go on
+        separately; ops on either never affect the other.  Counters start at zero.
+
+        >>> from toktier import load_tokenizer
+        >>> a = Session(load_tokenizer("cl100k_base"), "shared prompt. ")
+        >>> b = a.fork()
+        >>> _ = a.append("left"); _ = b.append("right")
+        >>> (a.text, b.text)
+        ('shared prompt. left', 'shared prompt. right')
+        """
+        new = Session.__new__(Session)
+        new.tokenizer, new.window, new.full_path = self.tokenizer, self.window, self.full_path
+        new.stats = SessionStats()
+        new._text = bytearray(self._text)
+        new._nchars, new._ascii = self._nchars, self._ascii
+        new._ids = GrowableU32(allocator, capacity=self._ids.n)
+        new._ids.assign(self._ids.view())
+        new._starts = self._starts.copy()
+        new._spliceable, new._why_not, new._tiles = self._spliceable, self._why_not, self._tiles
+        new.fast_path = self.fast_path
+        return new
+
+    def certificate(self) -> str:
+        """A checksum binding this tokenizer's hash, the text and the IDs (see `from_state`).
+
+        It proves integrity, not origin: accept certificates only from a store you own.
+        """
+        return state_certificate(self.tokenizer, bytes(self._text), self._ids.view())
+
+    @classmethod
+    def from_state(cls, tokenizer: FrozenTokenizer, text: str, ids: np.ndarray, *, certificate: str | None = None,
+                   window: int | None = None, allocator: Allocator | None = None,
+                   full_path: FullPath | None = None) -> "Session":
+        """A session primed with known `(text, ids)`, certified without re-encoding where it can.
+
+        With the `certificate` an earlier `Session.certificate()` gave for exactly this
+        tokenizer, text and IDs, the state is accepted after an O(N) check that the token
+        bytes tile the text (no encode).  Without one (or with one that does not match) the
+        text is encoded once and must give `ids`.  Either way a state that is not the
+        reference encoding raises `InvalidState`; the session is never primed with it.
+
+        >>> from toktier import load_tokenizer
+        >>> tok = load_tokenizer("cl100k_base")
+        >>> s = Session(tok, "hello world")
+        >>> t = Session.from_state(tok, s.text, s.ids, certificate=s.certificate())
+        >>> t.append("!").ids.tolist() == tok.encode("hello world!").tolist()
+        True
+        """
+        data = _to_utf8(text)
+        if len(data) >= MAX_TEXT_BYTES:
+            raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
+        ids = np.ascontiguousarray(ids, dtype=np.uint32)
+        s = cls(tokenizer, window=window, allocator=allocator, full_path=full_path)
+        if len(ids) and int(ids.max()) >= len(tokenizer.table):
+            raise InvalidState(f"id {int(ids.max())} is outside the tokenizer's {len(tokenizer.table)} ids")
+        certified = certificate is not None and certificate == state_certificate(tokenizer, data, ids)
+        if certified:
+            s._prime(data, len(text), ids)
+            if s._spliceable and not s._tiles:
+                raise InvalidState("the certified IDs' bytes do not tile the text (corrupt state)")
+            return s
+        ref = s.full_path.encode(tokenizer, text)
+        if not np.array_equal(ref, ids):
+            m = min(len(ref), len(ids))
+            diff = np.flatnonzero(ref[:m] != ids[:m])
+            at = int(diff[0]) if len(diff) else m
+            raise InvalidState(f"the IDs are not the reference encoding of the text (first difference at token {at}"
+                               f" of {len(ids)}; the reference has {len(ref)})")
+        s._prime(data, len(text), ref)
+        return s
+
+    def _prime(self, data: bytes, nchars: int, ids: np.ndarray) -> None:
+        """Install a state known to be the reference encoding of `data`."""
+        self._ids.reserve(len(ids))
+        if self._spliceable:
+            self._starts.reserve_for(len(ids))
+            lens = self.tokenizer.token_len[ids]
+            self._tiles = self._tiles_exactly(ids, data, lens)
+            self._starts.rebuild(ids if self._tiles else ids[:0], lens=lens if self._tiles else None)
+        self._ids.assign(ids)
+        self._text[:] = data
+        self._nchars = nchars
+        self._ascii = data.isascii()
 
     # -- read access --------------------------------------------------------
     @property
@@ -250,7 +342,7 @@ class Session:
 
     def _full(self, new_text: bytes, nchars: int, reason: str) -> OpResult:
         tok = self.tokenizer
-        ids = encode_full(tok, new_text.decode("utf-8"))  # parallel chunks when large
+        ids = self.full_path.encode(tok, new_text.decode("utf-8"))  # GPU or parallel chunks when large
         old = self._ids.view()
         m = min(len(old), len(ids))
         diff = np.flatnonzero(old[:m] != ids[:m])
@@ -298,8 +390,8 @@ class Session:
                 raise InvalidText(f"edit splits a UTF-8 sequence ({exc.reason})") from None
             # A huge change (a tool result of 100K+ chars) is a full encode of its own:
             # give it the parallel full path; small windows stay on this thread.
-            big = len(wtext) >= FullPathConfig.min_parallel_chars
-            fresh = encode_full(tok, wtext) if big else tok.encode_fast(wtext)
+            big = self.full_path.is_parallel(len(wtext))
+            fresh = self.full_path.encode(tok, wtext) if big else tok.encode_fast(wtext)
             self.stats.tokens_retokenized += len(fresh)
             if tok.table.has_uncertain(fresh) and not tok.table.canonical_spans_ok(fresh, window):
                 # Fresh starts come from canonical lengths: unproven once a token may span other bytes.
@@ -455,6 +547,16 @@ def _byte_offset(text: bytearray, nchars: int, c: int, chunk: int = 1 << 16) -> 
     finally:
         del arr  # release the buffer export before the bytearray is resized
     raise AssertionError("character count out of sync with the text")  # pragma: no cover
+
+
+def state_certificate(tokenizer: FrozenTokenizer, text: bytes, ids: np.ndarray) -> str:
+    """sha256 over (tokenizer hash, text, IDs), each length-prefixed: what `Session.certificate` gives."""
+    h = hashlib.sha256()
+    raw_ids = np.ascontiguousarray(ids, dtype="<u4").tobytes()
+    for part in (tokenizer.hash.encode(), text, raw_ids):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
 
 
 def default_window(tokenizer: FrozenTokenizer) -> int:

@@ -35,6 +35,7 @@ RAISED = [
     core_errors.InvalidEditRange("edit [5, 3) is reversed"),
     core_errors.InvalidText("lone surrogate at 3"),
     core_errors.ReferenceEngineError("engine panicked: index out of range"),
+    core_errors.InvalidState("the IDs are not the reference encoding of the text"),
     SE.SessionConflict("session 's' is at seq 4, not 2"),
     SE.TokenizerMismatch("other tokenizer"),
     SE.TooLarge("too long"),

@@ -5,8 +5,8 @@ the family's exact pre-tokenizer regex(es), its stable-boundary table (its modul
 docstring), its class patterns, its family-specific predicate bits and its GPU rule
 id, and declares them in one `FamilySpec` (``SPEC``), as tiktoken_ext plugins
 return constructor kwargs.  What all families share (the predicate, rules A-D, the
-NFC condition, `Family`, `GpuRules`, `detect_family` over the registry below) is in
-``base.py``.
+NFC condition, `Family`, `GpuRules`) is in ``base.py``; the registry and
+`detect_family` over it are here.
 
 A family is recognized from the exact pattern tuple, never from a name:
 
@@ -22,7 +22,7 @@ A family is recognized from the exact pattern tuple, never from a name:
 from __future__ import annotations
 
 from . import cl100k, deepseek, o200k, qwen
-from .base import CLASS_PATTERNS, I, K, L, M, N, W, Family, FamilySpec, GpuRules, detect_family
+from .base import CLASS_PATTERNS, I, K, L, M, N, W, Family, FamilySpec, GpuRules
 
 FAMILIES: dict[str, FamilySpec] = {m.SPEC.name: m.SPEC for m in (cl100k, qwen, o200k, deepseek)}
 
@@ -58,3 +58,20 @@ __all__ = ["CLASS_PATTERNS", "FAMILIES", "GPU_CLASS_PATTERNS", "KNOWN_PATTERNS",
 def gpu_rules(split_patterns: tuple[str, ...]) -> GpuRules | None:
     """The GPU rule set modelling these exact pre-tokenizer patterns, or None."""
     return _GPU_RULES.get(tuple(split_patterns))
+
+
+def detect_family(normalizer: str, split_patterns: tuple[str, ...], byte_level: bool,
+                  problems: tuple[str, ...]) -> tuple[Family | None, str | None]:
+    """Return (family, None) when proven, else (None, reason)."""
+    if problems:
+        return None, "; ".join(problems)
+    if not byte_level:
+        return None, "not a byte-level BPE: token bytes do not tile the text"
+    name = KNOWN_PATTERNS.get(tuple(split_patterns))
+    if name is None:
+        return None, "pre-tokenizer pattern(s) match no family with a derived stable-boundary rule"
+    if normalizer not in ("none", "nfc"):
+        return None, f"normalizer {normalizer} has no proven splice rule"
+    spec = FAMILIES[name]
+    return Family(name=name, nfc=normalizer == "nfc", exclude_k_pairs=spec.exclude_k_pairs,
+                  extra_patterns=tuple(sorted(spec.class_patterns.items()))), None

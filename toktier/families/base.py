@@ -104,6 +104,8 @@ class Family:
     name: str
     nfc: bool
     exclude_k_pairs: bool  # DeepSeek: CJK/kana runs are isolated pieces
+    #: The family module's own class bits beyond `CLASS_PATTERNS` (bit, pattern), from its spec.
+    extra_patterns: tuple[tuple[int, str], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -111,10 +113,7 @@ class Family:
 
     def class_patterns(self) -> dict[int, str]:
         """Host-table bits this family's predicate reads, with the patterns that probe them."""
-        from . import FAMILIES
-
-        spec = FAMILIES.get(self.name)
-        return {**CLASS_PATTERNS, **(spec.class_patterns if spec else {})}
+        return {**CLASS_PATTERNS, **dict(self.extra_patterns)}
 
     def stable(self, classes: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Vectorized predicate: is the boundary between code points x and y stable?
@@ -147,20 +146,3 @@ class Family:
         digit differently from one at the end of the text.
         """
         return self.stable(classes, x, y) & ((classes[x] & W) == 0)
-
-
-def detect_family(normalizer: str, split_patterns: tuple[str, ...], byte_level: bool,
-                  problems: tuple[str, ...]) -> tuple[Family | None, str | None]:
-    """Return (family, None) when proven, else (None, reason)."""
-    if problems:
-        return None, "; ".join(problems)
-    if not byte_level:
-        return None, "not a byte-level BPE: token bytes do not tile the text"
-    from . import FAMILIES, KNOWN_PATTERNS
-
-    name = KNOWN_PATTERNS.get(tuple(split_patterns))
-    if name is None:
-        return None, "pre-tokenizer pattern(s) match no family with a derived stable-boundary rule"
-    if normalizer not in ("none", "nfc"):
-        return None, f"normalizer {normalizer} has no proven splice rule"
-    return Family(name=name, nfc=normalizer == "nfc", exclude_k_pairs=FAMILIES[name].exclude_k_pairs), None

@@ -2,7 +2,8 @@
 
 The kernels live in ``cuda_src/``; this package holds their numpy *host models*
 (``pretok_model``, ``bpe_model``), the device table layouts (``tables``), the
-PyCUDA driver (``driver``, imported lazily) and the router (``router``).
+PyCUDA driver (``driver``, imported lazily) and the router (``router``), which a
+`toktier.fullpath.FullPath` is given to try the GPU first.
 
 Nothing here imports pycuda at import time: ``import toktier.gpu`` works on any
 machine.  The host models are exact: they are tested against the reference
@@ -18,6 +19,6 @@ from __future__ import annotations
 
 from .bpe_model import encode, encode_with_spans
 from .pretok_model import pieces, supported_rules
-from .router import Router, RouterConfig, encode_routed
+from .router import Router, RouterConfig
 
-__all__ = ["Router", "RouterConfig", "encode", "encode_routed", "encode_with_spans", "pieces", "supported_rules"]
+__all__ = ["Router", "RouterConfig", "encode", "encode_with_spans", "pieces", "supported_rules"]

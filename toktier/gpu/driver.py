@@ -42,7 +42,7 @@ from ..families import GpuRules
 from .tables import bpe_tables, class_table, rules_for
 
 
-def _cuda_src() -> Path:
+def cuda_src_dir() -> Path:
     """Where the kernel sources are: $TOKTIER_CUDA_SRC, the source tree (editable installs), or
     the copy a wheel installs under ``<prefix>/share/toktier/cuda_src``."""
     env = os.environ.get("TOKTIER_CUDA_SRC")
@@ -57,7 +57,6 @@ def _cuda_src() -> Path:
 
 
 MAIN_SOURCE = "toktier.cu"
-CUDA_SRC = _cuda_src()
 THREADS = 256
 SCAN_TILE = 1024
 NSCRATCH = 24
@@ -263,7 +262,7 @@ def build_cubin(arch: str, out_dir: Path | None = None) -> Path:
     from ..charclass import cache_dir
 
     h = hashlib.sha256()
-    for f in sorted(CUDA_SRC.glob("*.cu*")):
+    for f in sorted(cuda_src_dir().glob("*.cu*")):
         h.update(f.name.encode() + f.read_bytes())
     out_dir = out_dir or cache_dir() / "cubin"
     out = out_dir / f"toktier-{arch}-{h.hexdigest()[:16]}.cubin"
@@ -273,28 +272,21 @@ def build_cubin(arch: str, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-O3", "--std=c++17", "-o", str(tmp), MAIN_SOURCE],
-                   cwd=str(CUDA_SRC), check=True, capture_output=True, text=True)
+                   cwd=str(cuda_src_dir()), check=True, capture_output=True, text=True)
     os.replace(tmp, out)
     return out
 
 
-_DRIVER: "GpuDriver | None" = None
-_DRIVER_LOCK = threading.Lock()
-
-
 def available_driver() -> "GpuDriver | None":
-    """The process-wide driver, or None without pycuda/GPU (never raises)."""
-    global _DRIVER
+    """A new driver, or None without pycuda/GPU (never raises).  Building one compiles or
+    loads the kernels: the caller (a `Router`) keeps it."""
     name, _why = _probe()
     if name is None:
         return None
-    with _DRIVER_LOCK:
-        if _DRIVER is None:
-            try:
-                _DRIVER = GpuDriver()
-            except Exception:
-                return None
-        return _DRIVER
+    try:
+        return GpuDriver()
+    except Exception:
+        return None
 
 
 def unavailable_reason() -> str:

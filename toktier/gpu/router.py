@@ -1,18 +1,20 @@
-"""Route a full tokenization to the GPU or the CPU; the output contract never changes.
+"""Decide per request whether the GPU takes a full tokenization; the output contract never changes.
 
 Large texts (default above 2 KB of UTF-8) of a supported family go to the GPU
 when a driver is available and has passed its one-time self-check for that
 tokenizer; small texts, unsupported families, NFC families whose text NFC would
 change, and requests arriving while ``max_inflight`` GPU requests are running
-(back-pressure) go to ``toktier.fullpath.encode_full`` (parallel CPU).  Added-
-token literals are split out inside the GPU path itself, so a text with literals
-is one GPU request.
+(back-pressure) are declined (``try_encode`` returns None) and the caller, a
+`toktier.fullpath.FullPath`, encodes them on the CPU.  Added-token literals are
+split out inside the GPU path itself, so a text with literals is one GPU request.
 
 >>> import toktier
+>>> from toktier.fullpath import FullPath
 >>> from toktier.gpu.router import Router
 >>> tok = toktier.load_tokenizer("cl100k_base")
->>> r = Router()                       # no GPU here: everything goes to the CPU
->>> r.encode(tok, "hello world").tolist() == tok.encode("hello world").tolist()
+>>> r = Router()                       # no GPU here: every request is declined
+>>> fp = FullPath(gpu=r)
+>>> fp.encode(tok, "hello world").tolist() == tok.encode("hello world").tolist()
 True
 >>> r.last_route
 'cpu'
@@ -25,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fullpath import FullPathConfig, encode_full
 from .tables import rules_for
 
 
@@ -33,7 +34,6 @@ from .tables import rules_for
 class RouterConfig:
     min_gpu_bytes: int = 2048          # segments at or below this stay on the CPU
     max_inflight: int = 4              # GPU requests in flight before spilling to the CPU
-    cpu: FullPathConfig = FullPathConfig()
 
 
 def gpu_eligible(tok, text: str, cfg: RouterConfig = RouterConfig()) -> tuple[bool, str]:
@@ -51,7 +51,8 @@ def gpu_eligible(tok, text: str, cfg: RouterConfig = RouterConfig()) -> tuple[bo
 
 
 class Router:
-    """Chooses GPU or CPU per request; thread-safe; counts its decisions."""
+    """Chooses GPU or CPU per request (a `toktier.fullpath.GpuEncoder`); thread-safe; counts its
+    decisions ("gpu", "cpu": declined, "spill": declined under back-pressure)."""
 
     def __init__(self, cfg: RouterConfig = RouterConfig(), driver=None, use_gpu: bool | None = None) -> None:
         self.cfg = cfg
@@ -72,17 +73,11 @@ class Router:
             self._driver = available_driver() or False
         return self._driver or None
 
-    def encode(self, tok, text: str) -> np.ndarray:
-        ids = self.try_gpu(tok, text)
-        if ids is not None:
-            return ids
-        self._count("cpu")
-        return encode_full(tok, text, self.cfg.cpu)
-
-    def try_gpu(self, tok, text: str) -> np.ndarray | None:
+    def try_encode(self, tok, text: str) -> np.ndarray | None:
         """IDs from the GPU, or None when the request belongs on the CPU (the caller encodes it there)."""
         drv = self.driver()  # probed once; cheap None without a device
         if drv is None:
+            self._count("cpu")
             return None
         ok, _why = gpu_eligible(tok, text, self.cfg)
         drv = drv if ok else None
@@ -103,29 +98,11 @@ class Router:
                 finally:
                     with self._lock:
                         self._inflight -= 1
+        else:
+            self._count("cpu")
         return None
 
     def _count(self, route: str) -> None:
         with self._lock:
             self.counts[route] += 1
             self.last_route = route
-
-
-_DEFAULT: Router | None = None
-
-
-def default_router() -> Router:
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = Router()
-    return _DEFAULT
-
-
-def encode_routed(tok, text: str) -> np.ndarray:
-    """`Router().encode` with a process-wide router."""
-    return default_router().encode(tok, text)
-
-
-def try_gpu(tok, text: str) -> np.ndarray | None:
-    """The hook for `fullpath.encode_full`: GPU IDs, or None to stay on the CPU (no recursion)."""
-    return default_router().try_gpu(tok, text)

@@ -30,8 +30,6 @@ Three tables per tokenizer, built once and uploaded once:
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,18 +90,10 @@ def _prefix_related(literals: list[str]) -> bool:
     return any(b.startswith(a) for a, b in zip(lits, lits[1:]))  # a prefix sorts right before an extension
 
 
-# Derived per-tokenizer data, kept beside (not inside) the frozen tokenizer objects.
-_DERIVED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-_DERIVED_LOCK = threading.Lock()
-
-
 def derived(tok) -> dict:
-    """A per-tokenizer dict for derived, immutable data (class table, BPE tables, literal regex)."""
-    with _DERIVED_LOCK:
-        d = _DERIVED.get(tok)
-        if d is None:
-            d = _DERIVED[tok] = {}
-        return d
+    """The tokenizer's cache of derived, immutable GPU data (class table, BPE tables, literal
+    finder): held by the tokenizer object itself, so it lives and dies with it (no global)."""
+    return tok.derived
 
 
 def class_table(tok) -> np.ndarray:

@@ -469,7 +469,7 @@ def _run_ids_full(tok, texts, whole, rng, opts, res) -> None:
 
 
 def _id_diff(got: np.ndarray, ref: np.ndarray, w: int = 6) -> dict:
-    from toktier.shadow import first_difference
+    from toktier.verifier import first_difference
 
     i = first_difference(got, ref)
     lo = max(0, i - w)
@@ -551,6 +551,7 @@ def _run_ids_repair(tok, texts, whole, rng, opts, res) -> None:
 
 # -- gpu -----------------------------------------------------------------------------------
 
+@_memo  # building a driver compiles/loads the kernels: once per worker process
 def gpu_backend() -> tuple[Callable | None, str]:
     """(encode(tok, text) -> ids, why) for the GPU full path, or (None, reason)."""
     try:

@@ -20,6 +20,7 @@ from .errors import (
     PermissionDenied,
     ProtocolError,
     ReferenceEngineError,
+    InvalidState,
     RemoteError,
     RequestTimeout,
     SegmentAccessDenied,
@@ -44,5 +45,5 @@ __all__ = [
     "TokenizerMismatch", "TokenizerDataMissing", "InvalidEditRange", "InvalidText", "BadRequest",
     "BadFrame", "FrameTooLarge", "TooLarge", "Overloaded", "PermissionDenied", "VersionMismatch",
     "ShuttingDown", "InternalError", "ConnectionLost", "ProtocolError", "RequestTimeout", "SegmentGone", "SegmentAccessDenied",
-    "UnsupportedTokenizer", "ReferenceEngineError",
+    "UnsupportedTokenizer", "ReferenceEngineError", "InvalidState",
 ]

@@ -103,6 +103,12 @@ class ReferenceEngineError(RemoteError, RuntimeError):
     code = ErrorCode.REFERENCE_ENGINE_ERROR
 
 
+class InvalidState(RemoteError, ValueError):
+    """A primed ``(text, ids)`` state that is not the reference encoding (or a corrupt certificate)."""
+
+    code = ErrorCode.INVALID_STATE
+
+
 class InvalidEditRange(RemoteError, ValueError):
     """An edit's [start, end) is reversed or outside the session text (code-point offsets)."""
 
@@ -196,7 +202,8 @@ ERRORS_BY_CODE: dict[ErrorCode, type[RemoteError]] = {
     for cls in (
         SessionMiss, SessionConflict, UnknownTokenizer, TokenizerMismatch, TokenizerDataMissing,
         UnsupportedTokenizer, InvalidEditRange, InvalidText, BadRequest, BadFrame, FrameTooLarge, TooLarge,
-        Overloaded, PermissionDenied, VersionMismatch, ShuttingDown, ReferenceEngineError, InternalError,
+        Overloaded, PermissionDenied, VersionMismatch, ShuttingDown, ReferenceEngineError, InvalidState,
+        InternalError,
     )
 }
 

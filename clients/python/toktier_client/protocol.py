@@ -75,6 +75,7 @@ class ErrorCode(str, enum.Enum):
     TOKENIZER_DATA_MISSING = "tokenizer_data_missing"
     UNSUPPORTED_TOKENIZER = "unsupported_tokenizer"
     REFERENCE_ENGINE_ERROR = "reference_engine_error"
+    INVALID_STATE = "invalid_state"
     INVALID_EDIT_RANGE = "invalid_edit_range"
     INVALID_TEXT = "invalid_text"
     BAD_REQUEST = "bad_request"

@@ -1,0 +1,146 @@
+"""Sessions as values: forks, primed states (certified or verified), and the injected full path."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import toktier
+from conftest import get_tokenizer
+from toktier.fullpath import FullPath, FullPathConfig
+from toktier.gpu import bpe_model
+from toktier.tools.corpus import ADVERSARIAL_ATOMS, large_text
+
+
+def _pieces(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(ADVERSARIAL_ATOMS + (" word", ". ", "\n", "x = 1\n")) for _ in range(n))
+
+
+@pytest.mark.parametrize("name", ["llama3", "o200k_base", "qwen3"])
+def test_forks_are_independent_and_exact(name, tally):
+    tok = get_tokenizer(name)
+    rng = random.Random(name)
+    root = toktier.Session(tok, large_text(5000, seed=2))
+    forks = [root.fork() for _ in range(3)]
+    for s in [root, *forks]:
+        for _ in range(6):
+            if rng.random() < 0.6:
+                s.append(_pieces(rng, 5))
+            else:
+                a = rng.randrange(s.num_chars + 1)
+                s.edit(a, min(s.num_chars, a + rng.randrange(4)), _pieces(rng, 3))
+            assert np.array_equal(s.ids, tok.encode(s.text))
+            tally(tok, "session")
+    texts = {s.text for s in [root, *forks]}
+    assert len(texts) == 4  # every branch went its own way
+    assert forks[0].stats.ops == 6 and root.stats.ops == 6  # counters are per session
+
+
+def test_fork_uses_its_own_allocator_and_shares_nothing():
+    tok = get_tokenizer("cl100k_base")
+    got = []
+
+    def alloc(n: int) -> np.ndarray:
+        buf = np.empty(n, dtype=np.uint32)
+        got.append(buf)
+        return buf
+
+    a = toktier.Session(tok, "hello world " * 50)
+    b = a.fork(allocator=alloc)
+    assert got and np.shares_memory(b.ids_buffer, got[-1]) and not np.shares_memory(a.ids_buffer, b.ids_buffer)
+    before = a.ids.copy()
+    b.edit(0, 5, "HELLO")
+    assert np.array_equal(a.ids, before) and a.text.startswith("hello")
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "llama3", "qwen3"])
+def test_from_state_with_a_certificate_does_not_encode(name, monkeypatch):
+    tok = get_tokenizer(name)
+    s = toktier.Session(tok, large_text(20_000, seed=4, kind="mixed"))
+    text, ids, cert = s.text, s.ids.copy(), s.certificate()
+
+    class NoEncode(FullPath):
+        def encode(self, tok, text):  # a certified state must not be re-encoded
+            raise AssertionError("encoded")
+
+    t = toktier.Session.from_state(tok, text, ids, certificate=cert, full_path=NoEncode())
+    assert t.text == text and np.array_equal(t.ids, ids)
+    r = t.append(" and then some more words.")
+    assert np.array_equal(r.ids, tok.encode(t.text)) and r.path is not toktier.RepairPath.FULL
+
+
+def test_from_state_verifies_what_it_cannot_certify():
+    tok = get_tokenizer("llama3")
+    text = "def pipeline(x):\n    return x  # 12345\n" * 20
+    ids = tok.encode(text)
+    s = toktier.Session.from_state(tok, text, ids)  # no certificate: one encode, equal: accepted
+    assert np.array_equal(s.ids, ids)
+    bad = ids.copy()
+    bad[7] = bad[8]
+    with pytest.raises(toktier.InvalidState, match="first difference at token 7"):
+        toktier.Session.from_state(tok, text, bad)
+    with pytest.raises(toktier.InvalidState):  # a certificate for other IDs does not certify these
+        toktier.Session.from_state(tok, text, bad, certificate=s.certificate())
+    with pytest.raises(toktier.InvalidState, match="outside"):
+        toktier.Session.from_state(tok, text, np.array([10**7], dtype=np.uint32))
+    other = get_tokenizer("o200k_base")  # a certificate is bound to its tokenizer
+    with pytest.raises(toktier.InvalidState):
+        toktier.Session.from_state(other, text, ids, certificate=s.certificate())
+
+
+def test_certificate_binds_tokenizer_text_and_ids():
+    tok = get_tokenizer("cl100k_base")
+    s = toktier.Session(tok, "abc def")
+    c = s.certificate()
+    assert c == toktier.Session(tok, "abc def").certificate()
+    s.append("g")
+    assert s.certificate() != c
+    assert toktier.Session(get_tokenizer("cl100k_base", "none"), "abc def").certificate() != c
+
+
+class _HostGpu:
+    """A GPU encoder standing in for the device: the host model of the GPU algorithm."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def try_encode(self, tok, text):
+        self.calls += 1
+        return bpe_model.encode(tok, text) if len(text) > 1000 else None
+
+
+def test_session_uses_the_full_path_it_is_given():
+    tok = get_tokenizer("llama3")
+    gpu = _HostGpu()
+    fp = FullPath(FullPathConfig(min_parallel_chars=4096), gpu=gpu)
+    s = toktier.Session(tok, large_text(30_000, seed=5), full_path=fp)
+    assert gpu.calls == 1 and fp.stats().gpu == 1 and fp.stats().encodes == 1
+    r = s.append(large_text(8_000, seed=6))  # a big append: its window goes to the full path too
+    assert np.array_equal(r.ids, tok.encode(s.text))
+    assert fp.stats().encodes >= 2 and gpu.calls == fp.stats().encodes
+    s.append(" small")
+    assert fp.stats().encodes == gpu.calls  # small windows stay on the session's thread
+
+
+def test_router_is_asked_once_per_encode():
+    """The old router tried the GPU, then called the CPU path that tried it again."""
+    from toktier.gpu.router import Router
+
+    class CountingDriver:
+        calls = 0
+
+        def encode(self, tok, text):
+            CountingDriver.calls += 1
+            raise AssertionError("declined requests never reach the driver")
+
+        def verified(self, tok):
+            return False  # self-check failed: the router must decline without encoding
+
+    tok = get_tokenizer("cl100k_base")
+    r = Router(driver=CountingDriver())
+    fp = FullPath(gpu=r)
+    text = large_text(10_000, seed=1)
+    assert np.array_equal(fp.encode(tok, text), tok.encode(text))
+    assert r.counts == {"gpu": 0, "cpu": 1, "spill": 0} and CountingDriver.calls == 0
