@@ -7,6 +7,8 @@ inference engine and hands their token IDs over in shared memory.
 * :mod:`sidecar.service`: session logic over :mod:`toktier` and the store
 * :mod:`sidecar.shm`: shared-memory arenas (layout, lifetimes)
 * :mod:`sidecar.server`: the asyncio adapter (lanes, workers, admission, shutdown)
+* :mod:`sidecar.shadow`: the background verifier (sampling, bounded queue, worker thread,
+  metrics) around the pure check in :mod:`toktier.verifier`
 * :mod:`sidecar.metrics`, :mod:`sidecar.sdnotify`, :mod:`sidecar.cli`
 * ``sidecar/systemd/``: unit files
 

@@ -29,14 +29,12 @@ import contextlib
 import itertools
 import logging
 import os
-import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Coroutine, Hashable, cast
 
 import toktier
-from toktier.shadow import ShadowVerifier
 from toktier_client import protocol as P
 
 from . import sdnotify
@@ -47,6 +45,7 @@ from .lanes import Lanes
 from .listen import BACKLOG, bind_unix_socket, peer_credentials
 from .metrics import Metrics
 from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, SessionKey, SessionService
+from .shadow import Shadow, ShadowConfig
 from .shm import ArenaPool, Segment
 
 log = logging.getLogger(__name__)
@@ -148,19 +147,18 @@ class Sidecar:
                               gid=config.group)
         self.service = SessionService(config, registry or toktier.Registry(), self.pool)
         self.metrics = Metrics(lambda: self.service.snapshot(len(self.peers)))
-        self.verifier: ShadowVerifier | None = None
+        self.verifier: Shadow | None = None
         if config.verify_rate > 0:
-            # The sidecar samples (it alone knows a sample costs an O(N) text decode); the
-            # verifier checks every offer, with private cache-less references built when a
-            # tokenizer loads and never rebuilt: a build holds the GIL ~0.3 s, which stalled
-            # every in-flight append when it happened on the first sample mid-traffic.
-            self.verifier = ShadowVerifier(self.service.registry.get, rate=1.0, fresh="nocache",
-                                           rebuild_every=None, metrics=self.metrics.registry,
-                                           disable_on_mismatch=config.verify_disable_on_mismatch)
+            # Dispatch samples (`_succeed`: only sampled results build their O(N) sample); the
+            # worker checks every offer with private cache-free references, built when a
+            # tokenizer loads and never rebuilt (ShadowConfig's default reference policy).
+            self.verifier = Shadow(self.service.registry.get,
+                                   ShadowConfig(rate=config.verify_rate,
+                                                disable_on_mismatch=config.verify_disable_on_mismatch),
+                                   metrics=self.metrics.registry)
             self.service.fast_path_disabled = self.verifier.is_disabled
             self.service.on_tokenizer_loaded = self.verifier.prepare
         self.service.server_counts = self._counts
-        self._sample = random.Random()
         self.install_signals = install_signals
         self.lanes = Lanes()
         self.peers: dict[int, _Peer] = {}
@@ -367,10 +365,8 @@ class Sidecar:
             return
         peer.send(peer.conn.reply(answer.reply))
         self.metrics.observe(handler.tag, "ok", time.perf_counter() - t0, answer.path)
-        if self.verifier is not None and answer.sample is not None and self._sampled():
-            sample = answer.sample()
-            if sample is not None:
-                self.verifier.offer(sample.tokenizer_hash, sample.text, sample.ids, context=sample.context)
+        if self.verifier is not None and answer.sample is not None and self.verifier.sampled():
+            self.verifier.offer(answer.sample)  # builds the sample only if the queue has room
 
     def reenable_fast_paths(self) -> None:
         """Operator action (SIGHUP): re-enable every tokenizer the verifier disabled."""
@@ -379,9 +375,6 @@ class Sidecar:
         for tok in self.service.registry:
             if self.verifier.reenable(tok.hash):
                 log.warning("fast path re-enabled for tokenizer %s (%s)", tok.name, tok.hash[:12])
-
-    def _sampled(self) -> bool:
-        return self._sample.random() < self.config.verify_rate
 
     def _fail(self, peer: _Peer, req: P.Request, handler: Handler[Any], exc: Exception, t0: float) -> None:
         if code_for(exc) is None:

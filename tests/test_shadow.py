@@ -1,20 +1,26 @@
-"""Shadow verifier: fault injection, sampling statistics, saturation, and the history check.
+"""Verification core (`toktier.verifier`): fault injection, freshness, cache-free references, reports.
 
-* At 10% sampling the verifier catches every sampled faulty result (all five fault
-  kinds) and reports nothing on clean ones.
-* Over many faulty requests the detected fraction and the mean gap between
-  detections match the sampling rate (binomial / geometric tolerance).
-* A saturated verifier (worker held on an Event the test controls) drops and
-  counts samples while `offer` keeps returning and serving continues.
+* The core catches every checked faulty result (all five fault kinds: ID
+  substitution, deletion, duplication, adjacent swap, same-length tail re-split)
+  and reports nothing on clean ones, in both freshness modes.
+* Freshness: ``"batch"`` builds a new reference per check; ``"nocache"`` builds one
+  private reference (at `prepare`) and rebuilds it every ``rebuild_every`` checks;
+  a mismatch it reports is confirmed by a brand-new object first.
+* The cache-free reference is built with public tokenizers API and returns the
+  reference IDs (differential against ``tok.encode``, for every HF tokenizer).
 * History: IDs from a long-lived engine after long (>= 4K chars) prefixes equal
-  those of a fresh process, for every bundled tokenizer; the verifier's
-  reference is a new object per batch.
+  those of a fresh process, for every bundled tokenizer; so do the verifier's
+  references, cache-free ones included.
+
+The background side (sampling statistics, queue saturation, disable/re-enable,
+metrics) is tested in ``tests/sidecar/test_sidecar_shadow.py``.
 """
 
 from __future__ import annotations
 
+import doctest
 import json
-import math
+import logging
 import os
 import random
 import subprocess
@@ -24,13 +30,23 @@ import threading
 import numpy as np
 import pytest
 
+import toktier.verifier
 from conftest import ALL_TOKENIZERS, get_tokenizer
-from toktier import Session, list_tokenizers
-from toktier.corpus import large_text, samples
-from toktier.faults import KINDS, FaultInjector, FaultNotApplicable, corrupt
-from toktier.shadow import ShadowVerifier, first_difference
+from toktier import list_tokenizers
+from toktier.tools.corpus import large_text, samples
+from toktier.tools.faults import KINDS, FaultInjector, FaultNotApplicable, corrupt
+from toktier.verifier import (
+    HFReference,
+    MismatchReport,
+    Served,
+    Verifier,
+    VerifierConfig,
+    first_difference,
+    fresh_reference,
+)
 
 SEED = int(os.environ.get("TOKTIER_TEST_SEED", "0"))
+HF_TOKENIZERS = ("llama3", "qwen3", "deepseek_v4")
 
 
 def _texts(n: int, seed: int) -> list[str]:
@@ -46,34 +62,44 @@ def _texts(n: int, seed: int) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["cl100k_base", "llama3"])
-def test_catches_every_sampled_fault_and_no_false_positive(name, tally):
+def test_doctests():
+    result = doctest.testmod(toktier.verifier)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("name, fresh", [("cl100k_base", "batch"), ("llama3", "batch"), ("llama3", "nocache")])
+def test_catches_every_checked_fault_and_no_false_positive(name, fresh, tally):
+    """10% of 600 served results (30% of them faulty) are checked in batches of 32."""
     tok = get_tokenizer(name)
     inj = FaultInjector(rate=0.3, seed=SEED)
-    served: dict[int, tuple[str, str | None]] = {}
-    reports = []
-    with ShadowVerifier({tok.hash: tok}, rate=0.1, seed=SEED + 1, queue_size=10_000,
-                        on_mismatch=reports.append) as v:
-        for i, text in enumerate(_texts(600, SEED)):
-            ids, kind = inj.maybe_corrupt(tok, text, tok.encode(text))
-            if v.offer(tok.hash, text, ids, context={"request": i}):
-                served[i] = (text, kind)
-        assert v.drain(timeout=120)
-        st = v.stats
-    faulty = {i for i, (_, kind) in served.items() if kind}
-    assert st.checked == len(served) and st.dropped == 0 and st.errors == 0
+    pick = random.Random(SEED + 1)
+    v = Verifier(VerifierConfig(fresh=fresh))
+    checked: dict[int, tuple[str, str | None]] = {}
+    batch: list[Served] = []
+    reports: list[MismatchReport] = []
+    for i, text in enumerate(_texts(600, SEED)):
+        ids, kind = inj.maybe_corrupt(tok, text, tok.encode(text))
+        if pick.random() < 0.1:
+            checked[i] = (text, kind)
+            batch.append(Served(text, ids, {"request": i}))
+        if len(batch) == 32:
+            reports += v.check(tok, batch)
+            batch = []
+    reports += v.check(tok, batch)
+    faulty = {i for i, (_, kind) in checked.items() if kind}
     assert {r.context["request"] for r in reports} == faulty, f"seed={SEED}"
-    assert st.mismatches == len(faulty) > 0
-    # every kind was injected, and the sampled ones include more than one kind
+    assert len(reports) == len(faulty) > 0
+    # every kind was injected, and the checked ones include more than one kind
     assert set(inj.injected) == set(KINDS), inj.injected
-    assert len({served[i][1] for i in faulty}) >= 3
+    assert len({checked[i][1] for i in faulty}) >= 3
     for r in reports:
-        text = served[r.context["request"]][0]
+        text = checked[r.context["request"]][0]
         assert r.text is None  # keep_text=False
+        assert r.tokenizer_hash == tok.hash and r.text_chars == len(text)
         ref = tok.encode(text)
         assert r.reference_len == len(ref) and r.first_diff <= len(ref)
         assert list(r.reference_window) == ref[r.window_start : r.first_diff + 9].tolist()
-    tally(tok, "shadow", st.checked)
+    tally(tok, "shadow", len(checked))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -87,13 +113,12 @@ def test_each_fault_kind_is_detected(kind, tally):
     if kind == "resplit":  # the silent kind: same length, same bytes
         assert len(bad) == len(ids)
         assert b"".join(tok.token_bytes[i] for i in bad) == b"".join(tok.token_bytes[i] for i in ids)
-    with ShadowVerifier({tok.hash: tok}, rate=1.0, keep_text=True, fresh="nocache") as v:
-        assert v.offer(tok.hash, text, bad)
-        assert v.offer(tok.hash, text, ids)
-        assert v.drain(timeout=60)
-        assert v.stats.mismatches == 1 and v.stats.checked == 2
-        rep = v.reports[0]
+    v = Verifier(VerifierConfig(fresh="nocache", keep_text=True))
+    reports = v.check(tok, [Served(text, bad), Served(text, ids)])
+    assert len(reports) == 1
+    rep = reports[0]
     assert rep.text == text and rep.first_diff == first_difference(bad, ids)
+    assert rep.served_len == len(bad) and rep.reference_len == len(ids)
     tally(tok, "shadow", 2)
 
 
@@ -105,127 +130,215 @@ def test_resplit_not_applicable_is_explicit():
         corrupt(tok, "", tok.encode(""), "substitute", random.Random(0))
 
 
-def test_detection_rate_matches_sampling_rate():
-    """Detected faulty requests ~ Binomial(n, rate); gaps between detections ~ Geometric(rate)."""
+def test_report_json_is_a_reproducer():
     tok = get_tokenizer("cl100k_base")
-    rate, n = 0.1, 2000
-    inj = FaultInjector(rate=1.0, seed=SEED, kinds=("substitute", "delete", "duplicate", "swap"))
-    words = ["alpha ", "beta ", "gamma ", "delta ", "42 ", "x\n"]
-    rng = random.Random(SEED)
-    detected = []
-    with ShadowVerifier({tok.hash: tok}, rate=rate, seed=SEED + 7, queue_size=n) as v:
-        v.on_mismatch = lambda r: detected.append(r.context["request"])
-        for i in range(n):
-            text = "".join(rng.choice(words) for _ in range(8))
-            bad, _ = inj.maybe_corrupt(tok, text, tok.encode(text))
-            v.offer(tok.hash, text, bad, context={"request": i})
-        assert v.drain(timeout=120)
-        assert v.stats.mismatches == v.stats.checked == v.stats.sampled == len(detected)
-    k = len(detected)
-    sd = math.sqrt(n * rate * (1 - rate))
-    assert abs(k - n * rate) <= 5 * sd, (k, n * rate, sd)
-    first = sorted(detected)
-    gaps = np.diff([-1, *first])
-    # mean gap of a geometric(rate) is 1/rate; its sd is sqrt(1-rate)/rate per gap
-    mean_sd = math.sqrt(1 - rate) / rate / math.sqrt(len(gaps))
-    assert abs(gaps.mean() - 1 / rate) <= 5 * mean_sd, (gaps.mean(), 1 / rate)
+    text = "hello world, hello again"
+    ids = tok.encode(text)
+    bad = np.concatenate([ids[:3], [7], ids[4:]]).astype(np.uint32)
+    (rep,) = Verifier(VerifierConfig(report_window=2)).check(tok, [Served(text, bad, {"session": "s1"})])
+    doc = json.loads(rep.to_json())
+    assert doc["first_diff"] == 3 and doc["window_start"] == 1 and doc["context"] == {"session": "s1"}
+    assert doc["served_window"] == bad[1:6].tolist() and doc["reference_window"] == ids[1:6].tolist()
+    assert doc["text"] is None and len(doc["text_sha256"]) == 64
+    assert doc["tokenizer_hash"] == tok.hash
 
 
-class _Blocking:
-    """A reference whose encode waits on an Event the test controls."""
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        VerifierConfig(fresh="sometimes")
+    with pytest.raises(ValueError):
+        VerifierConfig(rebuild_every=0)
+    with pytest.raises(ValueError):
+        VerifierConfig(report_window=-1)
 
-    def __init__(self, tok, entered: threading.Event, release: threading.Event) -> None:
-        self.tok, self.entered, self.release = tok, entered, release
+
+def test_empty_check_builds_nothing_and_reference_errors_propagate():
+    tok = get_tokenizer("cl100k_base")
+    built = []
+
+    def broken(t):
+        built.append(t)
+        raise RuntimeError("reference exploded")
+
+    v = Verifier(reference_factory=broken)
+    assert v.check(tok, []) == [] and built == []
+    with pytest.raises(RuntimeError, match="exploded"):
+        v.check(tok, [Served("x", tok.encode("x"))])
+
+
+def test_check_runs_on_a_thread_the_caller_owns():
+    """The core starts no thread: checks run wherever they are called."""
+    tok = get_tokenizer("cl100k_base")
+    before = set(threading.enumerate())
+    v = Verifier(VerifierConfig(fresh="nocache"))
+    v.prepare(tok)
+    assert v.check(tok, [Served("x", [1])])[0].first_diff == 0
+    assert set(threading.enumerate()) == before
+
+
+# -- freshness --------------------------------------------------------------------------------
+
+
+def test_verifier_uses_a_new_reference_per_check(monkeypatch):
+    tok = get_tokenizer("cl100k_base")
+    made = []
+    original = toktier.verifier.fresh_reference
+
+    def recording(t, **kw):
+        ref = original(t, **kw)
+        made.append(ref)
+        return ref
+
+    monkeypatch.setattr(toktier.verifier, "fresh_reference", recording)
+    v = Verifier()  # default fresh="batch"
+    for i in range(3):
+        assert v.check(tok, [Served(f"batch {i}", tok.encode(f"batch {i}"))]) == []
+    assert len(made) == 3 and len({id(r) for r in made}) == 3
+    assert all(r is not tok.engine for r in made)
+
+
+@pytest.mark.parametrize("rebuild_every, same_after_3", [(None, True), (2, False)])
+def test_prepare_builds_the_private_reference_once(rebuild_every, same_after_3):
+    """`prepare` builds the nocache reference up front (a GIL-holding build kept out of
+    traffic); checks reuse it, rebuilding only every `rebuild_every` checks."""
+    tok = get_tokenizer("llama3")
+    v = Verifier(VerifierConfig(fresh="nocache", rebuild_every=rebuild_every))
+    assert v.private_reference(tok.hash) is None
+    v.prepare(tok)
+    ref = v.private_reference(tok.hash)
+    assert ref is not None and ref.history_free
+    v.prepare(tok)
+    assert v.private_reference(tok.hash) is ref  # idempotent
+    for text in ("one", "two", "three"):  # one check each
+        assert v.check(tok, [Served(text, tok.encode(text))]) == []
+    assert (v.private_reference(tok.hash) is ref) == same_after_3
+
+
+def test_batch_mode_prepares_nothing():
+    tok = get_tokenizer("cl100k_base")
+    v = Verifier()
+    v.prepare(tok)
+    assert v.private_reference(tok.hash) is None
+
+
+class _Drifted:
+    """A private reference gone wrong (the DESIGN §7 symptom): every ID off by one."""
+
+    history_free = True
+
+    def __init__(self, real):
+        self.real = real
 
     def encode_batch(self, texts):
-        self.entered.set()
-        assert self.release.wait(timeout=60)
-        return [self.tok.encode(t) for t in texts]
+        return [ids + 1 for ids in self.real.encode_batch(texts)]
 
 
-def test_saturated_verifier_drops_and_serving_continues(tally):
+def test_nocache_mismatch_is_confirmed_by_a_brand_new_reference(monkeypatch, caplog):
     tok = get_tokenizer("cl100k_base")
-    entered, release = threading.Event(), threading.Event()
-    v = ShadowVerifier({tok.hash: tok}, rate=1.0, queue_size=4, batch_size=1, batch_window=0.0,
-                       reference_factory=lambda t: _Blocking(t, entered, release))
-    try:
-        s = Session(tok)
-        assert v.offer(tok.hash, "", s.ids)  # the worker takes it and blocks
-        assert entered.wait(timeout=30)
-        results: list[bool] = []
-        materialized: list[int] = []
-        material = large_text(20_000, seed=SEED, kind="code")
+    original = toktier.verifier.fresh_reference
 
-        def text_of_session() -> str:  # lazy: called only for a sample that gets queued
-            materialized.append(1)
-            return s.text
+    def drifting_private(t, *, cache=True, **kw):
+        ref = original(t, cache=cache, **kw)
+        return ref if cache else _Drifted(ref)
 
-        def serve() -> None:
-            for i in range(200):
-                r = s.append(material[i * 100 : (i + 1) * 100])
-                results.append(v.offer(tok.hash, text_of_session, r.ids))
-
-        t = threading.Thread(target=serve)
-        t.start()
-        t.join(timeout=120)  # liveness, not a timing threshold: a blocking offer never returns
-        assert not t.is_alive(), "offer blocked while the verifier was saturated"
-        assert np.array_equal(s.ids, tok.encode(s.text))  # serving continued, exactly
-        st = v.stats
-        assert results.count(True) == 4 and st.dropped == 196 and st.queue_depth == 4
-        assert len(materialized) == 4  # dropped samples never built the O(N) text
-        assert st.checked == 0
-        release.set()
-        assert v.drain(timeout=60)
-        st = v.stats
-        assert st.checked == 5 and st.mismatches == 0 and st.dropped == 196
-        tally(tok, "shadow", st.checked)
-    finally:
-        release.set()
-        v.close()
+    monkeypatch.setattr(toktier.verifier, "fresh_reference", drifting_private)
+    v = Verifier(VerifierConfig(fresh="nocache", rebuild_every=None))
+    v.prepare(tok)
+    drifted = v.private_reference(tok.hash)
+    assert isinstance(drifted, _Drifted)
+    good = Served("hello world", tok.encode("hello world"))
+    with caplog.at_level(logging.WARNING, logger="toktier.verifier"):
+        assert v.check(tok, [good]) == []  # the private one disagreed; a new one did not
+    assert "disagreed" in caplog.text
+    assert v.private_reference(tok.hash) is None  # dropped: the next check builds a new one
+    v.prepare(tok)
+    (rep,) = v.check(tok, [good, Served("hello world", [1, 2])])  # a real mismatch is confirmed
+    assert rep.served_window == (1, 2)
 
 
-def test_disable_on_mismatch_and_reenable():
+def test_a_model_without_a_public_cache_switch_gets_a_new_reference_per_check(monkeypatch):
     tok = get_tokenizer("cl100k_base")
-    disabled = []
-    with ShadowVerifier({tok.hash: tok}, rate=1.0, disable_on_mismatch=True,
-                        on_disable=lambda h, rep: disabled.append(h)) as v:
-        assert not v.is_disabled(tok.hash)
-        v.offer(tok.hash, "hello world", [1, 2, 3])
-        v.offer(tok.hash, "hello again", [4])
-        assert v.drain(timeout=60)
-        assert v.is_disabled(tok.hash) and disabled == [tok.hash]  # callback once
-        assert v.stats.disabled == (tok.hash,)
-        assert v.reenable(tok.hash) and not v.is_disabled(tok.hash)
-        assert not v.reenable(tok.hash)
+    original = toktier.verifier.fresh_reference
+    made = []
+
+    class Cached:  # e.g. an HF Unigram model: its cache cannot be switched off publicly
+        history_free = False
+
+        def __init__(self, ref):
+            self.ref = ref
+
+        def encode_batch(self, texts):
+            return self.ref.encode_batch(texts)
+
+    def recording(t, **kw):
+        made.append(Cached(original(t, **kw)))
+        return made[-1]
+
+    monkeypatch.setattr(toktier.verifier, "fresh_reference", recording)
+    v = Verifier(VerifierConfig(fresh="nocache", rebuild_every=None))
+    v.prepare(tok)
+    assert len(made) == 1
+    for i in range(2):
+        assert v.check(tok, [Served(f"x{i}", tok.encode(f"x{i}"))]) == []
+    assert len(made) == 3 and len({id(r) for r in made}) == 3
 
 
-def test_unknown_tokenizer_counts_an_error_and_worker_survives():
-    tok = get_tokenizer("cl100k_base")
-    with ShadowVerifier({tok.hash: tok}, rate=1.0) as v:
-        v.offer("no-such-hash", "x", [1])
-        v.offer(tok.hash, "x", tok.encode("x"))
-        assert v.drain(timeout=60)
-        st = v.stats
-    assert st.errors == 1 and st.checked == 1 and st.mismatches == 0
+# -- the cache-free reference -------------------------------------------------------------------
 
 
-def test_prometheus_metrics():
-    prometheus_client = pytest.importorskip("prometheus_client")
-    tok = get_tokenizer("cl100k_base")
-    reg = prometheus_client.CollectorRegistry()
-    with ShadowVerifier({tok.hash: tok}, rate=0.5, seed=1, metrics=reg, queue_size=1) as v:
-        for i in range(20):
-            v.offer(tok.hash, f"text {i}", tok.encode(f"text {i}") if i % 2 else [0])
-        assert v.drain(timeout=60)
-        st = v.stats
-        label = {"tokenizer": tok.hash[:16]}
-        get = reg.get_sample_value
-        assert get("toktier_shadow_checked_total", label) == st.checked
-        assert (get("toktier_shadow_mismatches_total", label) or 0) == st.mismatches
-        assert get("toktier_shadow_dropped_total") == st.dropped
-        assert get("toktier_shadow_sample_rate") == 0.5
-        v.set_rate(0.25)
-        assert get("toktier_shadow_sample_rate") == 0.25
+@pytest.mark.parametrize("specials", ["all", "none"])
+@pytest.mark.parametrize("name", HF_TOKENIZERS)
+def test_cache_free_reference_returns_the_reference_ids(name, specials, tally):
+    """Differential: the BPE model rebuilt with ``cache_capacity=0`` (public constructor)
+    encodes exactly as ``tok.encode``, texts with repeated words (the cache's hits) and
+    special-token literals included."""
+    tok = get_tokenizer(name, specials)
+    ref = fresh_reference(tok, cache=False)
+    assert isinstance(ref, HFReference) and ref.history_free
+    specials_text = "".join(lit.content for lit in tok.engine.literals[:20])
+    texts = _texts(40, SEED + 3) + [
+        large_text(30_000, seed=SEED, kind="mixed"),
+        large_text(10_000, seed=SEED, kind="code"),
+        ("repeat repeat repeat " * 200) + specials_text + " <|endoftext|><|begin_of_text|>",
+        "",
+    ]
+    for _ in range(2):  # the second pass would hit a word cache, if there were one
+        got = ref.encode_batch(texts)
+        for text, ids in zip(texts, got):
+            assert np.array_equal(ids, tok.encode(text)), (name, specials, text[:80])
+    tally(tok, "shadow", 2 * len(texts))
+
+
+def test_tiktoken_references_are_history_free():
+    tok = get_tokenizer("o200k_base")
+    ref = fresh_reference(tok, cache=False)
+    assert ref.history_free
+    assert np.array_equal(ref.encode_batch(["hi there"])[0], tok.encode("hi there"))
+
+
+def test_non_bpe_hf_model_falls_back_to_per_check_references():
+    """A WordLevel tokenizer.json: no BPE cache to switch off, so `history_free` stays False."""
+    source = json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2}, "unk_token": "[UNK]"},
+    })
+    ref = HFReference(source, specials_as_text=False, cache=False)
+    assert ref.history_free is False
+    assert ref.encode_batch(["hello world there"])[0].tolist() == [1, 2, 0]
+
+
+def test_reference_ignores_the_files_truncation():
+    """A tokenizer.json that asks for truncation: the reference, like the engine, never cuts."""
+    tok = get_tokenizer("llama3")
+    with open(tok.engine.path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    ref = HFReference(json.dumps(doc), specials_as_text=False, cache=False)
+    text = "one two three four five six seven"
+    assert ref.history_free
+    assert np.array_equal(ref.encode_batch([text])[0], tok.encode(text))
 
 
 # -- history: long-lived engine vs a fresh process ------------------------------------------
@@ -243,7 +356,8 @@ json.dump(out, sys.stdout)
 
 def test_history_long_prefixes_match_a_fresh_process(tally):
     """Encode probes after long (>= 4K chars) prefixes on one long-lived engine; a fresh
-    process (no history) must give identical IDs, for every bundled tokenizer."""
+    process (no history) must give identical IDs, for every bundled tokenizer.  So must
+    the verifier's references, the cache-free ones after the same long prefixes too."""
     toks = {}
     for name in sorted(set(ALL_TOKENIZERS) | set(list_tokenizers())):
         try:
@@ -258,16 +372,17 @@ def test_history_long_prefixes_match_a_fresh_process(tally):
     live: dict[str, list[list[int]]] = {}
     for name, tok in toks.items():
         engine = tok.engine  # long-lived: it has served every earlier test in this process
-        got = []
+        private = fresh_reference(tok, cache=False)  # long-lived too, as the sidecar keeps it
+        got, got_private = [], []
         for i, p in enumerate(probes):
-            engine.encode(mixed[40_000 + 8000 * i : 48_000 + 8000 * i])  # a long prefix first
-            engine.encode(p + code[6000 + 5000 * i : 11_000 + 5000 * i])  # and a long overlap
+            for enc in (engine.encode, lambda t: private.encode_batch([t])[0]):
+                enc(mixed[40_000 + 8000 * i : 48_000 + 8000 * i])  # a long prefix first
+                enc(p + code[6000 + 5000 * i : 11_000 + 5000 * i])  # and a long overlap
             got.append(engine.encode(p).tolist())
+            got_private.append(private.encode_batch([p])[0].tolist())
         live[name] = got
-        # the verifier's references are new objects per batch and agree too
-        from toktier.shadow import fresh_reference
-
-        a = fresh_reference(tok)
+        assert got_private == got, name
+        a = fresh_reference(tok)  # a new object per batch agrees too
         assert a is not tok.engine
         assert [x.tolist() for x in a.encode_batch(probes)] == got
     proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], input=json.dumps({n: probes for n in toks}),
@@ -276,42 +391,3 @@ def test_history_long_prefixes_match_a_fresh_process(tally):
     for name, tok in toks.items():
         assert fresh[name] == live[name], f"{name}: a long-lived engine's IDs differ from a fresh process"
         tally(tok, "history", len(probes))
-
-
-def test_verifier_uses_a_new_reference_per_batch(monkeypatch):
-    from toktier import shadow
-
-    tok = get_tokenizer("cl100k_base")
-    made = []
-    original = shadow.fresh_reference
-
-    def recording(t, **kw):
-        ref = original(t, **kw)
-        made.append(ref)
-        return ref
-
-    monkeypatch.setattr(shadow, "fresh_reference", recording)
-    with ShadowVerifier({tok.hash: tok}, rate=1.0, batch_window=0.0) as v:  # default fresh="batch"
-        for i in range(3):
-            v.offer(tok.hash, f"batch {i}", tok.encode(f"batch {i}"))
-            assert v.drain(timeout=60)
-        assert v.stats.checked == 3 and v.stats.mismatches == 0
-    assert len(made) == 3 and len({id(r) for r in made}) == 3
-    assert all(r is not tok.engine for r in made)
-
-
-@pytest.mark.parametrize("rebuild_every, same_after_3", [(None, True), (2, False)])
-def test_prepare_builds_the_private_reference_once(rebuild_every, same_after_3):
-    """`prepare` builds the nocache reference up front (a GIL-holding build kept out of
-    traffic); checks reuse it, rebuilding only every `rebuild_every` batches."""
-    tok = get_tokenizer("llama3")
-    with ShadowVerifier({tok.hash: tok}, rate=1.0, fresh="nocache", rebuild_every=rebuild_every) as v:
-        v.prepare(tok)
-        ref = v._refs[tok.hash][0]
-        v.prepare(tok)
-        assert v._refs[tok.hash][0] is ref  # idempotent
-        for text in ("one", "two", "three"):  # one batch each
-            assert v.offer(tok.hash, text, tok.encode(text))
-            assert v.drain(timeout=30)
-        assert v.stats.checked == 3 and v.stats.mismatches == 0
-        assert (v._refs[tok.hash][0] is ref) == same_after_3

@@ -311,8 +311,9 @@ def test_shadow_verifier_checks_served_results(start_sidecar, llama3):
     sc = start_sidecar(verify_rate=1.0, metrics_port=0)
     # the preloaded tokenizer's private reference was built at load time, not mid-traffic
     # (building one holds the GIL ~0.3 s), and the sidecar never rebuilds it
-    ref = sc.sidecar.verifier._refs[llama3.hash][0]
-    assert sc.sidecar.verifier.rebuild_every is None
+    ref = sc.sidecar.verifier.core.private_reference(llama3.hash)
+    assert ref is not None and ref.history_free  # its word cache is off (public API)
+    assert sc.sidecar.verifier.config.verifier.rebuild_every is None
     with Client(sc.path) as c:
         s = c.session("v", text="verify me")
         for piece in (" please", ", twice", " 123"):
@@ -321,7 +322,7 @@ def test_shadow_verifier_checks_served_results(start_sidecar, llama3):
         assert sc.sidecar.verifier.drain(30) is True
         st = c.stats()
         assert (st.verified, st.mismatches) == (5, 0)
-        assert sc.sidecar.verifier._refs[llama3.hash][0] is ref
+        assert sc.sidecar.verifier.core.private_reference(llama3.hash) is ref
     body = urllib.request.urlopen(f"http://127.0.0.1:{sc.sidecar.metrics_port}/metrics", timeout=5).read().decode()
     assert "toktier_shadow_checked_total" in body
 
