@@ -1,6 +1,6 @@
 """Open-loop load test of the sidecar: stateful sessions vs. the same sidecar used statelessly.
 
-One sidecar process (``python -m sidecar.cli``, started the systemd way) serves both modes, on the
+One sidecar process (``python -m toktier_sidecar.cli``, started the systemd way) serves both modes, on the
 same cores, one after the other:
 
 * ``stateful``: each agent session is a sidecar session; a call sends only its change
@@ -360,7 +360,7 @@ def start_sidecar(sock_path: str, prefix: str, tokenizer: str) -> tuple[subproce
     notify.bind(notify_path)
     env = dict(os.environ, PYTHONPATH=ROOT, NOTIFY_SOCKET=notify_path)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "--socket", sock_path, "--tokenizer", tokenizer, "--shm-prefix",
+        [sys.executable, "-m", "toktier_sidecar.cli", "--socket", sock_path, "--tokenizer", tokenizer, "--shm-prefix",
          prefix, "--log-level", "WARNING", "--max-inflight", "4096"], cwd=ROOT, env=env)
     notify.settimeout(180)
     while b"READY=1" not in notify.recv(4096):

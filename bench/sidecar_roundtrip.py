@@ -51,7 +51,7 @@ def start_sidecar(sock_path: str, prefix: str, tokenizer: str) -> tuple[subproce
     notify.bind(notify_path)
     env = dict(os.environ, PYTHONPATH=ROOT, NOTIFY_SOCKET=notify_path)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "--socket", sock_path, "--tokenizer", tokenizer, "--shm-prefix",
+        [sys.executable, "-m", "toktier_sidecar.cli", "--socket", sock_path, "--tokenizer", tokenizer, "--shm-prefix",
          prefix, "--log-level", "WARNING"], cwd=ROOT, env=env)
     notify.settimeout(120)
     while b"READY=1" not in notify.recv(4096):

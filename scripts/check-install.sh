@@ -3,6 +3,7 @@
 # wheel build, not editable), then `toktier serve` on a private socket and one client
 # session through the installed `toktier_client`, checked against the reference.
 # Run by .ci/run after the test suite.  Usage: bash scripts/check-install.sh
+# (PYTHON=python3.10 bash scripts/check-install.sh checks the oldest supported Python.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -23,7 +24,9 @@ trap cleanup EXIT
 
 sock="$work/run/toktier.sock"
 mkdir -m 0700 "$work/run"
-(cd "$work" && exec "$work/venv/bin/toktier" serve --socket "$sock" --tokenizer cl100k_base) &
+# A TOML config (tomllib, or tomli before Python 3.11) names the tokenizer.
+printf 'tokenizers = ["cl100k_base"]\nverify_rate = 0.5\n' > "$work/toktier.toml"
+(cd "$work" && exec "$work/venv/bin/toktier" serve --socket "$sock" --config "$work/toktier.toml") &
 server_pid=$!
 
 # From a directory outside the checkout, so nothing is imported from the source tree.

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[data]' -e ./clients/python
+.venv/bin/python -m pip install -q -e .
 if [[ $# -eq 0 ]]; then
   set -- serve --socket "${TOKTIER_SOCKET:-${XDG_RUNTIME_DIR:-/tmp}/toktier.sock}"
 fi

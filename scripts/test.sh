@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[test]' -e ./clients/python
+.venv/bin/python -m pip install -q -e '.[test]'
 bash scripts/fetch-test-data.sh
 exec .venv/bin/python -m pytest "$@"

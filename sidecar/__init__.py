@@ -3,13 +3,13 @@
 A uvloop Unix-socket server that keeps tokenization sessions for a colocated
 inference engine and hands their token IDs over in shared memory.
 
-* :mod:`sidecar.connection`: sans-IO protocol state (framing, handshake, limits)
-* :mod:`sidecar.service`: session logic over :mod:`toktier` and the store
-* :mod:`sidecar.shm`: shared-memory arenas (layout, lifetimes)
-* :mod:`sidecar.server`: the asyncio adapter (lanes, workers, admission, shutdown)
-* :mod:`sidecar.shadow`: the background verifier (sampling, bounded queue, worker thread,
+* :mod:`toktier_sidecar.connection`: sans-IO protocol state (framing, handshake, limits)
+* :mod:`toktier_sidecar.service`: session logic over :mod:`toktier` and the store
+* :mod:`toktier_sidecar.shm`: shared-memory arenas (layout, lifetimes)
+* :mod:`toktier_sidecar.server`: the asyncio adapter (lanes, workers, admission, shutdown)
+* :mod:`toktier_sidecar.shadow`: the background verifier (sampling, bounded queue, worker thread,
   metrics) around the pure check in :mod:`toktier.verifier`
-* :mod:`sidecar.metrics`, :mod:`sidecar.sdnotify`, :mod:`sidecar.cli`
+* :mod:`toktier_sidecar.metrics`, :mod:`toktier_sidecar.sdnotify`, :mod:`toktier_sidecar.cli`
 * ``sidecar/systemd/``: unit files
 
 The wire protocol is defined once, in ``toktier_client.protocol``.

@@ -3,7 +3,7 @@
     toktier serve [--socket PATH] [--tokenizer NAME ...] [--config FILE.toml] [--metrics-port N] ...
 
 With no ``--tokenizer`` it serves the bundled default (llama3).  A TOML config
-file may set any :class:`sidecar.config.ServerConfig` field by name; flags given
+file may set any :class:`toktier_sidecar.config.ServerConfig` field by name; flags given
 on the command line win.  Under systemd it accepts a socket-activated listener
 (``LISTEN_FDS``) and reports readiness (``Type=notify``); SIGTERM drains
 in-flight requests, unlinks every shared-memory segment and exits 0.

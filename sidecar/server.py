@@ -1,8 +1,8 @@
 """The asyncio adapter: Unix socket, peer admission, per-session lanes, workers, shutdown.
 
-Thin by design: protocol rules live in :mod:`sidecar.connection` (sans-IO), how
-each request type is served in the handler table of :mod:`sidecar.service`, shared
-memory in :mod:`sidecar.shm`, ordering in :mod:`sidecar.lanes`.  This module only
+Thin by design: protocol rules live in :mod:`toktier_sidecar.connection` (sans-IO), how
+each request type is served in the handler table of :mod:`toktier_sidecar.service`, shared
+memory in :mod:`toktier_sidecar.shm`, ordering in :mod:`toktier_sidecar.lanes`.  This module only
 moves bytes and decides where work runs, the same way for every request
 (``Sidecar._serve``):
 
@@ -19,7 +19,7 @@ moves bytes and decides where work runs, the same way for every request
 * Every admitted request gets exactly one reply frame; limits answer with typed
   errors; a misbehaving peer gets an error frame and a lingering close.
 
-Run it with ``uvloop.run(Sidecar(config).run())`` (see :mod:`sidecar.cli`).
+Run it with ``uvloop.run(Sidecar(config).run())`` (see :mod:`toktier_sidecar.cli`).
 """
 
 from __future__ import annotations

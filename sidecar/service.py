@@ -2,7 +2,7 @@
 tokenizers, the session store, arenas.
 
 :data:`HANDLERS` maps every request type to the one :class:`Handler` that serves
-it; the server (:mod:`sidecar.server`) runs every request through one sequence
+it; the server (:mod:`toktier_sidecar.server`) runs every request through one sequence
 over this table.  A handler says:
 
 * ``lane(req)``: the session id of a session op (ops on one session run in
@@ -58,7 +58,7 @@ SPECIALS: tuple[P.Specials, ...] = get_args(P.Specials)
 #: Largest repair window a client may ask for (bytes); larger is just a full encode.
 MAX_WINDOW = 1 << 20
 
-#: The two thread pools (see :mod:`sidecar.server`).
+#: The two thread pools (see :mod:`toktier_sidecar.server`).
 Pool = Literal["bulk", "repair"]
 
 

@@ -17,7 +17,7 @@ runs it in the background for the server (DESIGN §5):
 * Prometheus metrics ``toktier_shadow_*`` on the server's registry.
 
 >>> import toktier
->>> from sidecar.service import Sample
+>>> from toktier_sidecar.service import Sample
 >>> reg = toktier.Registry()
 >>> tok = reg.load("cl100k_base")
 >>> with Shadow(reg.get, ShadowConfig(rate=1.0)) as shadow:

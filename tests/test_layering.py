@@ -9,7 +9,7 @@ from pathlib import Path
 import toktier
 
 # What must stay out of a process that only imports the library.
-_OUTSIDE = ("toktier.tools", "sidecar", "rich", "faker", "emoji", "toktier_client")
+_OUTSIDE = ("toktier.tools", "toktier_sidecar", "rich", "faker", "emoji", "toktier_client")
 _CORE = Path(toktier.__file__).parent
 
 
@@ -66,7 +66,7 @@ def test_tokenizers_with_missing_data_loads_nothing_else(tmp_path):
     listing tokenizers imports neither the server nor another subcommand."""
     code = (
         "import sys; from toktier.tools.cli import main; rc = main(['tokenizers']); "
-        "print(sorted(m for m in sys.modules if m.startswith(('sidecar', 'toktier.tools.verify', "
+        "print(sorted(m for m in sys.modules if m.startswith(('toktier_sidecar', 'toktier.tools.verify', "
         "'toktier.tools.demo', 'toktier.tools.corpus', 'rich', 'faker', 'emoji')))); sys.exit(rc)"
     )
     env = {**os.environ, "TOKTIER_DATA_DIR": str(tmp_path)}

@@ -3,7 +3,7 @@
 Pure: no thread, queue, sampler or metrics.  `Verifier.check(tok, served)` encodes
 the texts with a reference engine object and returns one `MismatchReport` per
 result whose IDs differ.  Who samples, where checks run and what is counted is the
-caller's business (the sidecar's background worker is :mod:`sidecar.shadow`).
+caller's business (the sidecar's background worker is :mod:`toktier_sidecar.shadow`).
 
 >>> import toktier
 >>> tok = toktier.load_tokenizer("cl100k_base")

@@ -17,7 +17,7 @@ import pytest
 import uvloop
 
 import toktier
-from sidecar import ServerConfig, Sidecar
+from toktier_sidecar import ServerConfig, Sidecar
 
 
 @pytest.fixture(scope="session")

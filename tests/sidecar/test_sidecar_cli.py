@@ -1,4 +1,4 @@
-"""The real process: ``toktier serve`` / ``python -m sidecar.cli``, systemd
+"""The real process: ``toktier serve`` / ``python -m toktier_sidecar.cli``, systemd
 readiness (NOTIFY_SOCKET), socket activation (LISTEN_FDS), SIGTERM graceful shutdown."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import toktier
-from sidecar.cli import build_parser, load_config
-from sidecar.service import SessionService
-from sidecar.shm import ArenaPool
+from toktier_sidecar.cli import build_parser, load_config
+from toktier_sidecar.service import SessionService
+from toktier_sidecar.shm import ArenaPool
 from sidecar_raw import Raw
 from toktier.tools.corpus import large_text
 from toktier_client import Client
@@ -96,7 +96,7 @@ def test_serve_notify_and_sigterm(tmp_path, prefix, llama3):
 def test_sigterm_finishes_inflight_requests(tmp_path, prefix, llama3):
     sock_path = str(tmp_path / "t.sock")
     notify = Notify(str(tmp_path / "notify"))
-    proc = spawn([sys.executable, "-m", "sidecar.cli", "--socket", sock_path, "--shm-prefix", prefix,
+    proc = spawn([sys.executable, "-m", "toktier_sidecar.cli", "--socket", sock_path, "--shm-prefix", prefix,
                   "--log-level", "WARNING"], {"NOTIFY_SOCKET": notify.path})
     try:
         notify.wait_for("READY=1")
@@ -124,7 +124,7 @@ def test_socket_activation(tmp_path, prefix, llama3):
     listener.listen(16)
     notify = Notify(str(tmp_path / "notify"))
     # systemd sets LISTEN_PID to the service's pid; `exec` keeps the shell's pid for python.
-    script = f'exec 3<&0 0</dev/null; LISTEN_PID=$$ LISTEN_FDS=1 exec "{sys.executable}" -m sidecar.cli ' \
+    script = f'exec 3<&0 0</dev/null; LISTEN_PID=$$ LISTEN_FDS=1 exec "{sys.executable}" -m toktier_sidecar.cli ' \
              f'--socket {sock_path} --shm-prefix {prefix} --log-level WARNING'
     proc = spawn(["/bin/sh", "-c", script], {"NOTIFY_SOCKET": notify.path}, stdin=listener.fileno())
     listener.close()  # only the child holds it now
@@ -143,7 +143,7 @@ def test_socket_activation(tmp_path, prefix, llama3):
 
 
 def test_refuses_a_live_socket_and_replaces_a_stale_one(tmp_path, sidecar):
-    from sidecar.listen import bind_unix_socket
+    from toktier_sidecar.listen import bind_unix_socket
     with pytest.raises(FileExistsError):
         bind_unix_socket(sidecar.path, None)
     stale = str(tmp_path / "stale.sock")
@@ -212,7 +212,7 @@ def test_unspliceable_warning_once_per_tokenizer_load(tmp_path, caplog):
         return [r.getMessage() for r in caplog.records
                 if r.levelno == logging.WARNING and "served without splicing" in r.getMessage()]
 
-    with caplog.at_level(logging.WARNING, logger="sidecar.service"):
+    with caplog.at_level(logging.WARNING, logger="toktier_sidecar.service"):
         service.preload()
         assert len(warned()) == 1 and "'llama3-nfkc'" in warned()[0]
         service.load_tokenizer(path, "all")  # the same tokenizer again: no second warning

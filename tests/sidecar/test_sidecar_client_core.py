@@ -185,6 +185,6 @@ def test_client_package_depends_only_on_the_wire_protocol():
     import sys
 
     code = ("import toktier_client, toktier_client.core, sys; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('toktier', 'sidecar')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('toktier', 'toktier_sidecar')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

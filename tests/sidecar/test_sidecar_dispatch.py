@@ -11,7 +11,7 @@ from typing import get_args
 
 import msgspec
 
-from sidecar.service import HANDLERS
+from toktier_sidecar.service import HANDLERS
 from sidecar_raw import Raw
 from toktier_client import AsyncClient, Client
 from toktier_client import protocol as P

@@ -6,15 +6,15 @@ import doctest
 
 import pytest
 
-import sidecar.lanes
-import sidecar.shadow
+import toktier_sidecar.lanes
+import toktier_sidecar.shadow
 import toktier.store
 import toktier_client._session
 import toktier_client.core
 import toktier_client.protocol
 
-MODULES = [toktier.store, toktier_client.protocol, toktier_client.core, toktier_client._session, sidecar.lanes,
-           sidecar.shadow]
+MODULES = [toktier.store, toktier_client.protocol, toktier_client.core, toktier_client._session, toktier_sidecar.lanes,
+           toktier_sidecar.shadow]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

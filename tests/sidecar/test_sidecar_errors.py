@@ -10,7 +10,7 @@ import pytest
 
 import toktier
 import toktier.errors as core_errors
-from sidecar import errors as SE
+from toktier_sidecar import errors as SE
 from toktier.store import SessionMiss as CoreSessionMiss
 from toktier_client import AsyncClient, Client
 from toktier_client import errors as E

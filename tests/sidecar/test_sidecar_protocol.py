@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.connection import ServerConnection
+from toktier_sidecar.connection import ServerConnection
 from toktier_client import errors as E
 from toktier_client import protocol as P
 

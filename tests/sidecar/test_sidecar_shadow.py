@@ -1,4 +1,4 @@
-"""The sidecar's background verifier (`sidecar.shadow.Shadow`): sampling, queue, worker, metrics.
+"""The sidecar's background verifier (`toktier_sidecar.shadow.Shadow`): sampling, queue, worker, metrics.
 
 * Sampling happens once (`Shadow.sampled`); over many faulty results the detected
   fraction and the mean gap between detections match the rate (binomial /
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from conftest import get_tokenizer
-from sidecar.service import Sample
-from sidecar.shadow import Shadow, ShadowConfig
+from toktier_sidecar.service import Sample
+from toktier_sidecar.shadow import Shadow, ShadowConfig
 from sidecar_harness import make_config, registry  # noqa: F401  (fixture)
 from toktier import Session
 from toktier.tools.corpus import large_text
@@ -279,7 +279,7 @@ def test_config_is_validated():
 def test_server_builds_it_from_its_config(tmp_path, registry):
     """`ServerConfig.verify_*` -> `ShadowConfig`; the cache-free private references are built at
     tokenizer load (`prepare`); no verifier at rate 0."""
-    from sidecar import Sidecar
+    from toktier_sidecar import Sidecar
 
     sc = Sidecar(make_config(tmp_path, verify_rate=0.25, verify_disable_on_mismatch=True),
                  registry=registry, install_signals=False)
@@ -300,7 +300,7 @@ def test_server_builds_it_from_its_config(tmp_path, registry):
 
 
 def test_cli_refuses_a_rate_outside_0_1():
-    from sidecar.cli import build_parser, load_config
+    from toktier_sidecar.cli import build_parser, load_config
 
     assert load_config(build_parser().parse_args(["--verify-rate", "1"])).verify_rate == 1.0
     with pytest.raises(SystemExit, match="verify-rate"):

@@ -16,7 +16,7 @@ import toktier
 from toktier.errors import TokenizerDataMissing, UnknownTokenizer
 
 # Imported only by `toktier serve`: the library must not depend on the server that wraps it.
-SERVE_MODULE = "sidecar.cli"
+SERVE_MODULE = "toktier_sidecar.cli"
 
 # Third-party modules of the ``tools`` extra: a missing one gets an install hint, not a traceback.
 _TOOLS_EXTRA_MODULES = frozenset({"rich", "faker", "emoji"})

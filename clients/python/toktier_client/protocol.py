@@ -31,7 +31,7 @@ Text offsets (``Edit.start``/``Edit.end``) count Unicode code points, as Python
 other values at decode time, as ``bad_request``).  New fields are only ever added
 with defaults, so older peers keep decoding newer messages.
 
-The sidecar serves each request type with one handler (``sidecar.service.HANDLERS``);
+The sidecar serves each request type with one handler (``toktier_sidecar.service.HANDLERS``);
 adding an op is one Struct here, one handler there, one client method.
 
 >>> frame = encode_frame(Hello(version=PROTOCOL_VERSION))
