@@ -35,7 +35,6 @@ from crafted import VARIANTS, Variant, declared_id_table
 
 OPS_PER_SESSION = 36
 SESSIONS = 2
-_SUMMARY: collections.Counter = collections.Counter()
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +199,9 @@ def check_variant(variant: Variant, kwargs: dict, material: list[str]) -> tuple[
 def test_crafted_variant(variant: Variant, built, material, tally):
     failures, counts = check_variant(variant, built(variant), material)
     assert not failures, "\n".join(failures)
-    _SUMMARY.update(counts)
+    # Printed with the run's differential-check table: the campaign's size, run by run.
+    for key in ("variant-modes", "refused", "ops", "spliced"):
+        tally.labelled("crafted", key, counts[key])
     for key, n in counts.items():
         if key.startswith("family:"):
             tally.labelled(key.removeprefix("family:"), "crafted", n)
@@ -216,16 +217,6 @@ def test_declared_id_table_fails_the_campaign(variant: Variant, built, material,
     monkeypatch.setattr(toktier.engines, "hf_table", lambda *a, **k: declared_id_table(kwargs["name_or_path"]))
     failures, _ = check_variant(dataclasses.replace(variant, expect_none=""), kwargs, material)
     assert failures, f"{variant.name}: a declared-id table passed the campaign"
-
-
-def test_crafted_summary(request):
-    """Prints the campaign's counts (variants x modes x ops) at the end of the module."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and _SUMMARY:
-        reporter.write_line(
-            f"\ncrafted tokenizers: {len(VARIANTS)} variants, {_SUMMARY['variant-modes']} loaded variant x mode "
-            f"pairs, {_SUMMARY['refused']} typed refusals, {_SUMMARY['ops']:,} ops checked "
-            f"({_SUMMARY['spliced']:,} spliced)")
 
 
 VERIFY_VARIANTS = ("gap-id", "byte-char-plain", "dup-vocab-id", "overlapping-literals", "qwen3-gap-and-latin1",
