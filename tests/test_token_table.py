@@ -126,3 +126,9 @@ def test_unknown_json_shapes_are_refused_or_served(tmp_path):
     p.write_text(json.dumps(j), encoding="utf-8")
     with pytest.raises(toktier.UnsupportedTokenizer, match="not a loadable tokenizer.json"):
         toktier.load_tokenizer(p)
+
+
+def test_unknown_ids_are_never_proven_by_a_walk():
+    t = TokenTable.build({0: b"a", 1: b"<unk>"}, literal_ids={}, problems=(), unknown=[1])
+    assert t.uncertain[1] and not t.canonical_spans_ok(np.array([0, 1], dtype=np.uint32), b"a<unk>")
+    assert t.canonical_spans_ok(np.array([0, 0], dtype=np.uint32), b"aa")

@@ -94,6 +94,9 @@ class TokenTable:
     literal_ids: Mapping[str, int] = field(repr=False)
     problems: tuple[str, ...] = ()
     any_uncertain: bool = False
+    #: Ids whose spellings are not all known (an unknown-token id covers whatever text has no
+    #: token): never proven by a walk, whatever bytes they are listed with.
+    unknown: frozenset[int] = frozenset()
 
     @classmethod
     def build(cls, spans: Mapping[int, bytes | Sequence[bytes]], *, literal_ids: Mapping[str, int],
@@ -126,7 +129,8 @@ class TokenTable:
             uncertain[np.fromiter(unknown, dtype=np.int64, count=len(unknown))] = True
         token_len.setflags(write=False)
         uncertain.setflags(write=False)
-        return cls(table, token_len, uncertain, alts, dict(literal_ids), tuple(problems), bool(uncertain.any()))
+        return cls(table, token_len, uncertain, alts, dict(literal_ids), tuple(problems), bool(uncertain.any()),
+                   frozenset(i for i in unknown if table[i]))  # (ids without bytes fail the walk anyway)
 
     def __len__(self) -> int:
         return len(self.token_bytes)
@@ -162,7 +166,7 @@ class TokenTable:
         Walks left to right: all tokens before an uncertain one are certain (or
         proven), so its start is exact; it is proven only when its canonical bytes
         are the *only* alternative present in `text` there.  An id with no known
-        bytes is never proven.  Certain tokens need no check: the engine emits them
+        bytes, or with spellings not all known (`unknown`), is never proven.  Certain tokens need no check: the engine emits them
         for their canonical bytes only.  The lengths must also sum to len(text).
         """
         lens = self.token_len[ids]
@@ -177,7 +181,7 @@ class TokenTable:
             i = int(ids[k])
             pos = int(starts[k])
             canon = self.token_bytes[i]
-            if not canon or text[pos:pos + len(canon)] != canon:
+            if not canon or i in self.unknown or text[pos:pos + len(canon)] != canon:
                 return False
             for alt in self.alternatives.get(i, ()):
                 if alt != canon and text[pos:pos + len(alt)] == alt:
