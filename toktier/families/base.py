@@ -20,13 +20,23 @@ literals are handled separately (``literals.py``: no occurrence may span q).
 Character classes (probed from the reference engine's own regex engine, see
 ``charclass.py``): ``L`` = \p{L}, ``N`` = \p{N}, ``M`` = \p{M}, ``W`` = \s,
 ``R`` = {\r, \n}, ``'`` = U+0027, ``K`` = DeepSeek's CJK/kana run class.
-One predicate covers all supported families (rules A-D); each family's table
-shows why each rule holds for it, and the one family-specific exclusion.
+One predicate covers all supported families (rules A-F); each family's table
+shows why each rule holds for it, and the family-specific exclusions.
 
 Rule A  x not in W, y in W minus R       (end of a non-space run, start of spaces)
 Rule B  x in L, y not in L|N|M|W, y != ' (end of a letter run, start of punctuation)
 Rule C  x not in N, y in N               (start of a digit run)
 Rule D  x in N, y not in N               (end of a digit run)
+Rule E  x in L, y in R                   (a letter run ends at a line break)
+Rule F  x in R, y not in W               (a line-break run ends; o200k: y != /)
+
+Why E and F hold in every family: R (\r, \n) occurs in a match only inside a
+whitespace alternative (whitespace only) or at the *end* of a punctuation match
+(``[\r\n]*``; o200k ``[\r\n/]*``, hence its exclusion), and the optional prefix of
+every letter alternative excludes \r\n.  So no match holds L->R or R->(non-space);
+the match holding x ends at q whatever follows, because y cannot extend it.  These
+two pairs are what makes one word per line, separator lines and table rows splice
+(each line is otherwise one piece of letters or punctuation).
 
 Each family is one module of this package, holding its exact pre-tokenizer
 regex(es), its table, its class patterns, its family-specific predicate bits and
@@ -95,6 +105,8 @@ class FamilySpec:
     gpu_class_patterns: dict[int, str] = field(default_factory=dict)
     #: Rule B excludes x, y both in K (DeepSeek: CJK/kana runs are isolated pieces).
     exclude_k_pairs: bool = False
+    #: Rule F excludes y = "/" (o200k: punctuation matches end with ``[\r\n/]*``).
+    slash_after_newline: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,8 @@ class Family:
     exclude_k_pairs: bool  # DeepSeek: CJK/kana runs are isolated pieces
     #: The family module's own class bits beyond `CLASS_PATTERNS` (bit, pattern), from its spec.
     extra_patterns: tuple[tuple[int, str], ...] = field(default=(), repr=False, compare=False)
+    #: Rule F excludes y = "/" (o200k).
+    slash_after_newline: bool = field(default=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -125,16 +139,23 @@ class Family:
         >>> fam.stable(t, np.array([ord("a"), ord(" "), ord(","), ord("a")]),
         ...                np.array([ord(" "), ord("a"), ord("a"), ord("1")])).tolist()
         [True, False, False, True]
+        >>> t[10] = W  # "\\n" (rules E and F: a line break after a letter, and before non-space)
+        >>> fam.stable(t, np.array([ord("a"), 10, 10, ord(",")]), np.array([10, ord("a"), ord(","), 10])).tolist()
+        [True, True, True, False]
         """
         cx = classes[x]
         cy = classes[y]
-        not_r = (y != 0x0A) & (y != 0x0D)
-        rule_a = ((cx & W) == 0) & ((cy & W) != 0) & not_r
+        y_r = (y == 0x0A) | (y == 0x0D)
+        rule_a = ((cx & W) == 0) & ((cy & W) != 0) & ~y_r
         rule_b = ((cx & L) != 0) & ((cy & (L | N | M | W)) == 0) & (y != 0x27)
         if self.exclude_k_pairs:
             rule_b &= ~(((cx & K) != 0) & ((cy & K) != 0))
         rule_cd = ((cx & N) != 0) != ((cy & N) != 0)
-        ok = rule_a | rule_b | rule_cd
+        rule_e = ((cx & L) != 0) & y_r
+        rule_f = ((x == 0x0A) | (x == 0x0D)) & ((cy & W) == 0)
+        if self.slash_after_newline:
+            rule_f &= y != 0x2F
+        ok = rule_a | rule_b | rule_cd | rule_e | rule_f
         if self.nfc:
             ok &= ((cx & I) != 0) & ((cy & I) != 0)
         return ok

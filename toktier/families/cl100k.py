@@ -1,6 +1,6 @@
 r"""cl100k / Llama-3: GPT-4's pre-tokenizer, in its HF form (Llama-3's tokenizer.json) and its tiktoken form.
 
-Stable-boundary table (rules A-D and the general argument: ``base.py``):
+Stable-boundary table (rules A-F and the general argument: ``base.py``):
 
 cl100k / Llama-3 (HF form and tiktoken form with possessives, ``\s++$``, ``\s*[\r\n]``)
     ========================================  ==================================
@@ -13,8 +13,9 @@ cl100k / Llama-3 (HF form and tiktoken form with possessives, ``\s++$``, ``\s*[\
     \s*[\r\n]+ | \s+(?!\S) | \s+ | \s++$      W->W
     ========================================  ==================================
     No pair ends in W-R except W->W (A).  Nothing follows a letter except a letter
-    (B; M and ' are "other" here).  Digits touch only digits (C, D).  The pattern
-    matches every character, so there are no gaps.
+    (B; M and ' are "other" here).  Digits touch only digits (C, D).  R is followed
+    inside a match only by R or whitespace (F), and no match holds L->R (E).  The
+    pattern matches every character, so there are no gaps.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 r"""DeepSeek (V3/V4 tokenizer.json): three ``Split`` stages, and the one family-specific exclusion.
 
-Stable-boundary table (rules A-D: ``base.py``):
+Stable-boundary table (rules A-F: ``base.py``):
 
 DeepSeek (V3/V4: three Split stages, each applied inside the previous pieces)
     1. ``\p{N}{1,3}``: every digit is matched; gaps contain no digit -> C, D hold.
@@ -21,7 +21,9 @@ DeepSeek (V3/V4: three Split stages, each applied inside the previous pieces)
        =============================================  ==========================
        Letters are followed only by letters or marks (B).  A whitespace char is
        always matched (``\s+``), so gaps never contain W, and no match has a
-       non-W char followed by W-R (A).
+       non-W char followed by W-R (A).  R is followed inside a match only by R or
+       whitespace, and the letter prefix excludes \r\n (E, F); stages 1-2 only add
+       boundaries.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 r"""o200k / gpt-oss: case-aware words with contraction suffixes, digit triples, ``/`` chains.
 
-Stable-boundary table (rules A-D: ``base.py``):
+Stable-boundary table (rules A-F: ``base.py``):
 
 o200k / gpt-oss
     ==========================================================  ====================
@@ -14,7 +14,8 @@ o200k / gpt-oss
     ==========================================================  ====================
     Letters are followed only by letters, marks or the contraction apostrophe
     (B excludes M and ').  Nothing ends in W-R unless it is whitespace (A).  C, D
-    as cl100k.  No gaps.
+    as cl100k.  R is followed inside a match only by R, / or whitespace (F, with
+    y != / the family's exclusion); nothing holds L->R (E).  No gaps.
 """
 
 from __future__ import annotations
@@ -42,4 +43,5 @@ SPEC = FamilySpec(
     name="o200k",
     splits={(O200K,): GpuRules.O200K},
     gpu_class_patterns={UP: UPPER_CLASS, LO: LOWER_CLASS},
+    slash_after_newline=True,
 )

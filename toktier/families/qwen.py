@@ -1,10 +1,10 @@
 r"""Qwen (Qwen2 / Qwen3 tokenizer.json): the cl100k pattern with single-digit numbers.
 
-Stable-boundary table (rules A-D: ``base.py``; the cl100k table: ``cl100k.py``; the
+Stable-boundary table (rules A-F: ``base.py``; the cl100k table: ``cl100k.py``; the
 NFC condition: ``base.py``):
 
 Qwen (``\p{N}`` single digits; otherwise as cl100k)  — same table with N->N
-    removed; A-D hold.  Qwen3's tokenizer.json adds an NFC normalizer: see below.
+    removed; A-F hold.  Qwen3's tokenizer.json adds an NFC normalizer: see below.
 """
 
 from __future__ import annotations
