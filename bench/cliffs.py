@@ -50,6 +50,18 @@ SHAPES = {
 }
 
 
+def _prose_piece(rng: random.Random, n: int) -> str:
+    return " " + large_text(n, seed=rng.randrange(1000), kind="english")
+
+
+# What gets appended where the context's own generator does not fit a 40-character piece.
+APPENDS = {
+    "prose": _prose_piece,
+    "prose+word-list-tail": lambda rng, n: "".join(_words(rng) + "\n" for _ in range(n // 6 + 1)),
+    "prose+nfd-name": _prose_piece,
+}
+
+
 def run(tok_name: str, shape: str, size: int, n_ops: int, seed: int) -> dict:
     tok = toktier.load_tokenizer(tok_name)
     rng = random.Random(f"{seed}/{shape}/{size}")
@@ -58,7 +70,7 @@ def run(tok_name: str, shape: str, size: int, n_ops: int, seed: int) -> dict:
     times = []
     for k in range(n_ops):
         if k % 4 != 3:
-            piece = make(rng, 40) if shape != "prose" else " " + large_text(40, seed=k, kind="english")
+            piece = APPENDS.get(shape, make)(rng, 40)
             t0 = time.perf_counter()
             r = s.append(piece)
         else:
