@@ -7,7 +7,7 @@ declared ids), the added-token literals active in the chosen specials mode, the 
 family detection needs (normalizer, pre-tokenizer patterns, model flags), and
 code-point class probes run through the engine's *own* regex engine.
 
-Nothing here decides whether a splice is safe; that is `families.py`.  Every encode
+Nothing here decides whether a splice is safe; that is `families/`.  Every encode
 failure of the engine (an exception or a Rust panic) is re-raised as
 `ReferenceEngineError`.
 """

@@ -18,7 +18,7 @@ Repair of an edit T -> T' = T[:s] + X + T[e:] (an append is s = e = len(T)):
 2. Left of the change, align W's tokens with the cached ones by (start, id) and
    take agreeing runs, longest first.  Accept a run when it has >= 2 tokens,
    covers more bytes than the longest token, and holds a *stable boundary* q1
-   (a family predicate on text[q1-1], text[q1], see families.py) that no
+   (a family predicate on text[q1-1], text[q1], see families/) that no
    added-token literal spans in T or T'.  Right of the change likewise (cached
    offsets shifted by len(X) - (e - s)), giving q2.  At a side that reaches the
    text's end no boundary is needed.
