@@ -6,6 +6,7 @@ State (small, per session, apart from the shared immutable tokenizer):
     ids     uint32[n]                                 GrowableU32
     starts  uint32[n/64]  byte offset of every 64th   SparseOffsets (offsets.py): any token's
                           token                       start from a checkpoint + token lengths
+    dirty   [(a, b, d)]   NFC families only: spans the normalizer changes (see below)
 
 About 4 bytes per token plus the text (plus growth capacity).  Every op returns exactly
 ``tokenizer.encode(new_text)``:
@@ -28,6 +29,15 @@ Repair of an edit T -> T' = T[:s] + X + T[e:] (an append is s = e = len(T)):
 4. Otherwise double the failing side's window (at most 5 times), then
    re-tokenize the whole text (the full path: slower, never wrong).
 
+NFC families, local certification: where the normalizer changes the text (a
+decomposed file name), the tokens tile the *normalized* text.  The session then keeps
+token starts in normalized coordinates and remembers each such span (raw range, byte
+delta; `_nfc_spans`: spans between NFC-inert characters, so NFC of the text is NFC of
+the pieces).  A repair whose window stays clear of every span converts positions by
+the deltas before it and splices as usual; one whose window reaches a span takes the
+full path, which recomputes the spans.  So one decomposed character costs the ops near
+it, not the rest of the session.
+
 Unsupported families (`tokenizer.family is None`) always take the full path, which
 for large texts encodes chunks cut at standalone-stable boundaries in parallel
 (`fullpath.py`).  A session is not thread-safe: the caller orders ops on it.
@@ -44,6 +54,7 @@ import numpy as np
 from .boundaries import LiteralFilter, char_byte_offsets
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidState, InvalidText
+from .families import I
 from .fullpath import FullPath
 from .offsets import SparseOffsets
 from .registry import FrozenTokenizer
@@ -142,6 +153,9 @@ class Session:
         self._spliceable = tokenizer.family_info is not None
         self._why_not = tokenizer.family_reason
         self._tiles = True  # token bytes tile the text (empty text trivially)
+        # NFC families: text spans the normalizer changes, as (raw start, raw end, byte delta), sorted.
+        # Token starts are kept in normalized coordinates; repairs stay clear of these spans.
+        self._dirty: list[tuple[int, int, int]] = []
         # An operator (e.g. the shadow verifier on a mismatch) may switch splicing off.
         self.fast_path = True
         if text:
@@ -173,6 +187,7 @@ class Session:
         new._ids.assign(self._ids.view())
         new._starts = self._starts.copy()
         new._spliceable, new._why_not, new._tiles = self._spliceable, self._why_not, self._tiles
+        new._dirty = list(self._dirty)
         new.fast_path = self.fast_path
         return new
 
@@ -230,9 +245,7 @@ class Session:
         self._ids.reserve(len(ids))
         if self._spliceable:
             self._starts.reserve_for(len(ids))
-            lens = self.tokenizer.token_len[ids]
-            self._tiles = self._tiles_exactly(ids, data, lens)
-            self._starts.rebuild(ids if self._tiles else ids[:0], lens=lens if self._tiles else None)
+            self._install_offsets(ids, data)
         self._ids.assign(ids)
         self._text[:] = data
         self._nchars = nchars
@@ -351,14 +364,7 @@ class Session:
         self._ids.reserve(len(ids))  # allocate before mutating anything
         if self._spliceable:
             self._starts.reserve_for(len(ids))
-            lens = tok.token_len[ids]
-            if not self._tiles_exactly(ids, new_text, lens):
-                # Token bytes do not tile the text (e.g. NFC changed it): no splices for this text.
-                self._starts.rebuild(ids[:0])
-                self._tiles = False
-            else:
-                self._starts.rebuild(ids, lens=lens)
-                self._tiles = True
+            self._install_offsets(ids, new_text)
         self._ids.assign(ids)
         self._text[:] = new_text
         self._nchars = nchars
@@ -367,6 +373,42 @@ class Session:
         self.stats.tokens_retokenized += len(ids)
         self.stats.full_reasons[reason] = self.stats.full_reasons.get(reason, 0) + 1
         return OpResult(self._ids.view(), first_changed, RepairPath.FULL, 0, reason)
+
+    def _install_offsets(self, ids: np.ndarray, text: bytes) -> None:
+        """Token starts for `ids`, the reference encoding of `text`; sets `_tiles` and `_dirty`.
+
+        The tokens' bytes tile the text, or (NFC families) tile it with each span the
+        normalizer changes replaced by its normalized form: then starts are kept in those
+        normalized coordinates and the spans are remembered, so that repairs anywhere else
+        still splice (a decomposed file name early in a session costs nothing later).
+        Otherwise no splice is provable for this text (`_tiles` False).
+        """
+        lens = self.tokenizer.token_len[ids]
+        dirty: list[tuple[int, int, int]] = []
+        ok = self._tiles_exactly(ids, text, lens)
+        if not ok and self.tokenizer.family_info.nfc:
+            found = _nfc_spans(self.tokenizer, text)
+            if found is not None:
+                dirty, normalized = found
+                ok = self._tiles_exactly(ids, normalized, lens)
+        if ok:
+            self._starts.rebuild(ids, lens=lens)
+        else:
+            self._starts.rebuild(ids[:0])
+            dirty = []
+        self._tiles, self._dirty = ok, dirty
+
+    def _norm(self, x: int) -> int:
+        """Normalized-coordinate position of raw byte position `x` (outside every dirty span)."""
+        d = 0
+        for a, b, delta in self._dirty:
+            if b > x:
+                break
+            d += delta
+        return x + d
+
+    def _touches_dirty(self, a: int, b: int) -> bool:
+        return any(ra < b and rb > a for ra, rb, _ in self._dirty)
 
     def _repair(self, s: int, e: int, data: bytes, dchars: int) -> OpResult | str:
         """The spliced result, or why no splice was certified."""
@@ -383,6 +425,8 @@ class Session:
             r = min(n_old, e + wr)
             while r < n_old and (T[r] & 0xC0) == 0x80:
                 r += 1
+            if self._dirty and self._touches_dirty(p, r):
+                return "the repair window reaches a span the normalizer changes (NFC)"
             window = bytes(T[p:s]) + data + bytes(T[e:r])
             try:
                 wtext = window.decode("utf-8")
@@ -447,10 +491,11 @@ class Session:
 
     def _find_left(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray) -> _Side:
         ids = self._ids.view()
-        k_lo = self._starts.locate(ids, ctx.p)
-        k_hi = self._starts.locate(ids, ctx.s)
+        shift = self._norm(ctx.p) - ctx.p  # constant over the window: no dirty span inside it
+        k_lo = self._starts.locate(ids, ctx.p + shift)
+        k_hi = self._starts.locate(ids, ctx.s + shift)
         j_hi = int(np.searchsorted(fstarts, ctx.s, "left"))
-        c_starts = self._starts.starts(ids, k_lo, k_hi)
+        c_starts = self._starts.starts(ids, k_lo, k_hi) - shift
         c_ids = ids[k_lo:k_hi]
         for c0, f0, length in self._runs(c_starts, c_ids, fstarts[:j_hi], fresh[:j_hi]):
             if not self._run_ok(c_starts, c_ids, c0, length):
@@ -466,11 +511,12 @@ class Session:
 
     def _find_right(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray, delta: int) -> _Side:
         ids = self._ids.view()
-        k_lo = self._starts.locate(ids, ctx.e)
-        k_hi = self._starts.locate(ids, ctx.r)
+        shift = self._norm(ctx.e) - ctx.e  # constant over the window: no dirty span inside it
+        k_lo = self._starts.locate(ids, ctx.e + shift)
+        k_hi = self._starts.locate(ids, ctx.r + shift)
         new_mid_end = ctx.s + len(ctx.data)
         j_lo = int(np.searchsorted(fstarts, new_mid_end, "left"))
-        c_starts = self._starts.starts(ids, k_lo, k_hi) + delta  # in new coordinates
+        c_starts = self._starts.starts(ids, k_lo, k_hi) - shift + delta  # raw, in new coordinates
         c_ids = ids[k_lo:k_hi]
         for c0, f0, length in self._runs(c_starts, c_ids, fstarts[j_lo:], fresh[j_lo:]):
             if not self._run_ok(c_starts, c_ids, c0, length):
@@ -501,7 +547,10 @@ class Session:
         self._ids.reserve(new_n)
         self._starts.reserve_for(new_n)
         self._ids.replace(k1, k2, mid)
-        self._starts.rebuild(self._ids.view(), k1, left.pos)  # tokens before k1 did not move
+        # Tokens before k1 did not move; starts are normalized coordinates (dirty spans before k1).
+        self._starts.rebuild(self._ids.view(), k1, self._norm(left.pos))
+        if self._dirty:  # spans right of the edit move with the text (none lies in the window)
+            self._dirty = [(a, b, d) if b <= s else (a + delta, b + delta, d) for a, b, d in self._dirty]
         first_changed = _first_difference(self._ids.view(), k1, old_seg, len(mid))
         if s == e == len(self._text):
             self._text += data
@@ -547,6 +596,62 @@ def _byte_offset(text: bytearray, nchars: int, c: int, chunk: int = 1 << 16) -> 
     finally:
         del arr  # release the buffer export before the bytearray is resized
     raise AssertionError("character count out of sync with the text")  # pragma: no cover
+
+
+#: More candidate spans than this and a text is left unspliceable (as before local certification):
+#: normalizing each span separately would cost more than the full path it saves.
+MAX_NFC_SPANS = 4096
+
+
+def _nfc_spans(tok: FrozenTokenizer, text: bytes) -> tuple[list[tuple[int, int, int]], bytes] | None:
+    """The spans of `text` the tokenizer's normalizer changes, and the text with them normalized.
+
+    A candidate span covers a run of non-NFC-inert characters (class ``I``, see
+    `families/base.py`), starting at the inert character before it and ending before the
+    next inert one, so NFC(text) is the concatenation of NFC of the pieces between span
+    edges.  Returns ([(raw start, raw end, byte delta)], piecewise-normalized text) for the
+    spans the engine's normalizer changes, or None when there are none or too many.
+    """
+    s = text.decode("utf-8")
+    cps = np.frombuffer(s.encode("utf-32-le"), dtype="<u4")
+    inert = (tok.classes[cps] & I) != 0
+    bad = np.flatnonzero(~inert)
+    if not len(bad):
+        return None
+    # Each non-inert character's span: [the inert character before it, the next inert one).
+    inert_idx = np.flatnonzero(inert)
+    if len(inert_idx):
+        k = np.searchsorted(inert_idx, bad)  # inert characters before each bad one
+        starts = np.where(k > 0, inert_idx[np.maximum(k - 1, 0)], 0)
+        ends = np.where(k < len(inert_idx), inert_idx[np.minimum(k, len(inert_idx) - 1)], len(cps))
+    else:
+        starts, ends = np.zeros_like(bad), np.full_like(bad, len(cps))
+    spans: list[list[int]] = []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        if spans and a <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], b)
+        else:
+            spans.append([a, b])
+        if len(spans) > MAX_NFC_SPANS:
+            return None
+    _, offs = char_byte_offsets(s)
+    out: list[tuple[int, int, int]] = []
+    parts: list[bytes] = []
+    prev = 0
+    for a, b in spans:
+        raw = s[a:b]
+        norm = tok.engine.normalize(raw)
+        if norm == raw:
+            continue
+        ra, rb = int(offs[a]), int(offs[b])
+        nb = norm.encode("utf-8")
+        parts += [text[prev:ra], nb]
+        prev = rb
+        out.append((ra, rb, len(nb) - (rb - ra)))
+    if not out:
+        return None
+    parts.append(text[prev:])
+    return out, b"".join(parts)
 
 
 def state_certificate(tokenizer: FrozenTokenizer, text: bytes, ids: np.ndarray) -> str:
