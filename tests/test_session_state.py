@@ -144,3 +144,12 @@ def test_router_is_asked_once_per_encode():
     text = large_text(10_000, seed=1)
     assert np.array_equal(fp.encode(tok, text), tok.encode(text))
     assert r.counts == {"gpu": 0, "cpu": 1, "spill": 0} and CountingDriver.calls == 0
+
+
+def test_certified_state_with_nfc_changing_text_is_accepted():
+    """A certified qwen3 state whose text NFC changes is valid: primed, exact, and it splices."""
+    tok = get_tokenizer("qwen3")
+    s = toktier.Session(tok, "re\u0301sume\u0301.txt\n" + large_text(8_000, seed=3, kind="english"))
+    t = toktier.Session.from_state(tok, s.text, s.ids, certificate=s.certificate())
+    r = t.append(" one more sentence.")
+    assert np.array_equal(r.ids, tok.encode(t.text)) and r.path is toktier.RepairPath.FIRST_WINDOW

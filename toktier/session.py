@@ -206,8 +206,8 @@ class Session:
 
         With the `certificate` an earlier `Session.certificate()` gave for exactly this
         tokenizer, text and IDs, the state is accepted after an O(N) check that the token
-        bytes tile the text (no encode).  Without one (or with one that does not match) the
-        text is encoded once and must give `ids`.  Either way a state that is not the
+        bytes tile the text (no encode).  Without one (or with one that does not match, or
+        when tiling cannot be shown) the text is encoded once and must give `ids`.  Either way a state that is not the
         reference encoding raises `InvalidState`; the session is never primed with it.
 
         >>> from toktier import load_tokenizer
@@ -227,9 +227,10 @@ class Session:
         certified = certificate is not None and certificate == state_certificate(tokenizer, data, ids)
         if certified:
             s._prime(data, len(text), ids)
-            if s._spliceable and not s._tiles:
-                raise InvalidState("the certified IDs' bytes do not tile the text (corrupt state)")
-            return s
+            if not s._spliceable or s._tiles:
+                return s
+            # The bytes cannot be shown to tile (too many NFC spans, an unproven ambiguous id):
+            # not necessarily corrupt, so verify the way an uncertified state is verified.
         ref = s.full_path.encode(tokenizer, text)
         if not np.array_equal(ref, ids):
             m = min(len(ref), len(ids))
