@@ -153,3 +153,17 @@ def test_certified_state_with_nfc_changing_text_is_accepted():
     t = toktier.Session.from_state(tok, s.text, s.ids, certificate=s.certificate())
     r = t.append(" one more sentence.")
     assert np.array_equal(r.ids, tok.encode(t.text)) and r.path is toktier.RepairPath.FIRST_WINDOW
+
+
+@pytest.mark.parametrize("ids", [[-1, 5], [1.5, 2.0], [[1, 2]], ["a"], [10**7]])
+def test_from_state_refuses_malformed_ids_with_a_typed_error(ids):
+    tok = get_tokenizer("cl100k_base")
+    with pytest.raises(toktier.InvalidState):
+        toktier.Session.from_state(tok, "hello world", ids)
+
+
+def test_from_state_accepts_a_plain_list_and_an_empty_state():
+    tok = get_tokenizer("cl100k_base")
+    s = toktier.Session.from_state(tok, "hello world", tok.encode("hello world").tolist())
+    assert s.append("!").ids.tolist() == tok.encode("hello world!").tolist()
+    assert toktier.Session.from_state(tok, "", []).num_tokens == 0

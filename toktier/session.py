@@ -220,10 +220,8 @@ class Session:
         data = _to_utf8(text)
         if len(data) >= MAX_TEXT_BYTES:
             raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
-        ids = np.ascontiguousarray(ids, dtype=np.uint32)
+        ids = _checked_ids(ids, len(tokenizer.table))
         s = cls(tokenizer, window=window, allocator=allocator, full_path=full_path)
-        if len(ids) and int(ids.max()) >= len(tokenizer.table):
-            raise InvalidState(f"id {int(ids.max())} is outside the tokenizer's {len(tokenizer.table)} ids")
         certified = certificate is not None and certificate == state_certificate(tokenizer, data, ids)
         if certified:
             s._prime(data, len(text), ids)
@@ -653,6 +651,20 @@ def _nfc_spans(tok: FrozenTokenizer, text: bytes) -> tuple[list[tuple[int, int, 
         return None
     parts.append(text[prev:])
     return out, b"".join(parts)
+
+
+def _checked_ids(ids: object, vocab: int) -> np.ndarray:
+    """`ids` as contiguous uint32, or `InvalidState` (a 1-D sequence of integers in [0, vocab))."""
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise InvalidState(f"ids must be a 1-D sequence of integers ({exc})") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidState(f"ids must be a 1-D sequence of integers, not {arr.ndim}-D {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise InvalidState(f"id {bad} is outside the tokenizer's {vocab} ids")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
 def state_certificate(tokenizer: FrozenTokenizer, text: bytes, ids: np.ndarray) -> str:
