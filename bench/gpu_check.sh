@@ -12,7 +12,9 @@
 #   3. nvcc -cubin cuda_src/toktier.cu for this GPU's architecture;
 #   4. tests/test_gpu_device.py (-m gpu): IDs and spans == the reference for every family,
 #      on real multilingual text (1M characters too), literals, adversarial text;
-#   5. bench/gpu_bench.py: single-request latency at 1K, 100K, 1M, 4M characters and bulk GB/s.
+#   5. bench/gpu_bench.py: single-request latency at 1K, 100K, 1M, 4M characters and bulk GB/s;
+#   6. bench/gpu_profile.py (only when GPU_CHECK_STEPS names "profile"): time per stage and kernel.
+# GPU_CHECK_STEPS (default "tests bench") picks steps 4-6.
 # Results also land in $OUT (log, gpu_bench.json) when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,13 +73,23 @@ PY
 echo "TOKTIER_CUBIN=$TOKTIER_CUBIN"
 [[ -n "$TOKTIER_CUBIN" ]] || { echo "cubin build failed"; exit 4; }
 
+STEPS=${GPU_CHECK_STEPS:-tests bench}
+TEST_RC=0; BENCH_RC=0; PROF_RC=0
+if [[ " $STEPS " == *" tests "* ]]; then
 step "exactness suite (tests/test_gpu_device.py)"
-timeout 300 $PY -m pytest tests/test_gpu_device.py -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_tests.log"
+timeout 240 $PY -m pytest tests/test_gpu_device.py -m gpu -q -rfE --maxfail=25 --durations=8 -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
-
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
 step "latency and throughput (bench/gpu_bench.py)"
-OUT=$OUTDIR timeout 200 $PY bench/gpu_bench.py 2>&1 | tee "$OUTDIR/gpu_bench.log"
+OUT=$OUTDIR timeout 150 $PY bench/gpu_bench.py 2>&1 | tee "$OUTDIR/gpu_bench.log"
 BENCH_RC=${PIPESTATUS[0]}
+fi
+if [[ " $STEPS " == *" profile "* ]]; then
+step "stage and kernel profile (bench/gpu_profile.py)"
+OUT=$OUTDIR timeout 150 $PY bench/gpu_profile.py 2>&1 | tee "$OUTDIR/gpu_profile.log"
+PROF_RC=${PIPESTATUS[0]}
+fi
 
-step "done: tests rc=$TEST_RC bench rc=$BENCH_RC"
-[[ $TEST_RC -eq 0 && $BENCH_RC -eq 0 ]]
+step "done: tests rc=$TEST_RC bench rc=$BENCH_RC profile rc=$PROF_RC"
+[[ $TEST_RC -eq 0 && $BENCH_RC -eq 0 && $PROF_RC -eq 0 ]]

@@ -11,11 +11,12 @@
 #             pycuda's runtime dependencies; numpy, tokenizers, tiktoken, regex, hypothesis,
 #             pytest, setuptools, wheel and CuPy are already on the H200 image.
 #   site/     bpe_openai as a data-only package (its cl100k/o200k rank files; the wheel is 40 MB).
-#   sdist/    pycuda's sdist (PyPI ships no wheels): gpu_check.sh builds it there with nvcc/g++;
-#             when that build fails the driver uses the image's CuPy instead (same kernels).
+#   wheels/pycuda-*.whl  built here with python3.12 (see below); without it gpu_check.sh builds
+#             sdist/ there (minutes of device time); failing that, the image's CuPy drives the kernels.
 #   data/     Qwen3's tokenizer.json (npm package, see scripts/fetch-test-data.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 D=${1:-.gpucarry}
 mkdir -p "$D/wheels" "$D/sdist" "$D/data"
 PY=${PYTHON:-.venv/bin/python}
@@ -42,13 +43,49 @@ else:
             with open(f"{out}/{n}", "wb") as f:
                 f.write(z.read(f"bpe_openai/data/{n}"))
 PY
-# pycuda ships only an sdist; pip needs `wheel` to prepare its metadata: a throwaway venv has it.
-V=$(mktemp -d)/venv
-if python3 -m venv "$V" && "$V/bin/python" -m pip install -q wheel setuptools \
-   && "$V/bin/python" -m pip download -q --no-deps --no-binary=:all: --no-build-isolation -d "$D/sdist" pycuda; then
+# pycuda ships only an sdist.  Building it on the GPU machine costs minutes of device time, so it is
+# built HERE as a cp312 wheel: against CUDA 13.0's driver headers (the H200 image's driver is CUDA
+# 13.0; newer headers would bind newer symbol versions) from the PyPI runtime wheels, linked
+# against a stub libcuda.so.1 that only exports the symbols _driver needs (the real one is loaded
+# there).  curand is left out (toktier does not use it).  The sdist stays as a fallback.
+V=$(mktemp -d)
+if python3 -m venv "$V/venv" && "$V/venv/bin/python" -m pip install -q wheel setuptools \
+   && "$V/venv/bin/python" -m pip download -q --no-deps --no-binary=:all: --no-build-isolation -d "$D/sdist" pycuda; then
   ls "$D/sdist"
 else
   echo "pycuda sdist not fetched: CuPy will be used"
+fi
+# a Python 3.12 to build with: PYTHON312, python3.12 on PATH, or a pyenv install
+PY312=${PYTHON312:-}
+for c in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+  [[ -z "$PY312" ]] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && PY312=$c
+done
+build_pycuda_wheel() {  # explicit `|| return`: `set -e` does not reach into a function run under `||`
+  local W=$V/pycuda-build R=$V/pycuda-build/cuda
+  mkdir -p "$W/hdr" "$R/lib64" || return
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 "${PLAT[@]}" -d "$W/hdr" \
+      "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-profiler-api==13.0.*" || return
+  for w in "$W"/hdr/*.whl; do (cd "$W/hdr" && unzip -q -o "$w") || return; done
+  cp -r "$W"/hdr/nvidia/cu13/include "$R/include" || return
+  "$PY312" -m venv "$W/venv" && "$W/venv/bin/python" -m pip install -q "numpy>=2,<3" setuptools wheel || return
+  tar xzf "$D"/sdist/pycuda-*.tar.gz -C "$W" && cd "$W"/pycuda-*/ || return
+  "$W/venv/bin/python" configure.py --cuda-root="$R" --cudadrv-lib-dir="$R/lib64" --no-cuda-enable-curand >/dev/null || return
+  # pass 1 against an empty stub lists the symbols _driver needs; pass 2 links against a stub with them
+  echo 'void toktier_stub(void){}' > "$W/stub.c"
+  gcc -shared -fPIC -o "$R/lib64/libcuda.so" -Wl,-soname,libcuda.so.1 "$W/stub.c" || return
+  "$W/venv/bin/python" setup.py -q build_ext -j "$(nproc)" >"$W/build1.log" 2>&1 || { tail -5 "$W/build1.log"; return 1; }
+  nm -D build/lib*/pycuda/_driver*.so | awk '$1=="U" && $2 ~ /^cu/ {print "void "$2"(void){}"}' > "$W/stub.c" || return
+  gcc -shared -fPIC -o "$R/lib64/libcuda.so" -Wl,-soname,libcuda.so.1 "$W/stub.c" && rm -rf build || return
+  "$W/venv/bin/python" setup.py -q build_ext -j "$(nproc)" >"$W/build2.log" 2>&1 || { tail -5 "$W/build2.log"; return 1; }
+  readelf -d build/lib*/pycuda/_driver*.so | grep -q 'libcuda.so.1' || { echo "_driver does not load libcuda"; return 1; }
+  "$W/venv/bin/python" setup.py -q bdist_wheel >/dev/null 2>&1 && cp dist/pycuda-*.whl "$ROOT/$D/wheels/"
+}
+if compgen -G "$D/wheels/pycuda-*.whl" >/dev/null; then
+  echo "pycuda wheel present"
+elif [[ -z "$PY312" ]]; then
+  echo "no Python 3.12 here (set PYTHON312): gpu_check.sh builds the sdist there (minutes)"
+elif compgen -G "$D/sdist/pycuda-*.tar.gz" >/dev/null; then
+  (build_pycuda_wheel) && echo "pycuda wheel built" || echo "pycuda wheel not built: gpu_check.sh builds the sdist there (minutes)"
 fi
 DATA=${TOKTIER_DATA_DIR:-$HOME/.cache/toktier/data}
 if [[ -d "$DATA/qwen3" ]]; then cp -r "$DATA/qwen3" "$D/data/"; else echo "no Qwen3 data: run scripts/fetch-test-data.sh first"; fi
