@@ -30,13 +30,18 @@ Repair of an edit T -> T' = T[:s] + X + T[e:] (an append is s = e = len(T)):
    re-tokenize the whole text (the full path: slower, never wrong).
 
 NFC families, local certification: where the normalizer changes the text (a
-decomposed file name), the tokens tile the *normalized* text.  The session then keeps
-token starts in normalized coordinates and remembers each such span (raw range, byte
-delta; `_nfc_spans`: spans between NFC-inert characters, so NFC of the text is NFC of
-the pieces).  A repair whose window stays clear of every span converts positions by
-the deltas before it and splices as usual; one whose window reaches a span takes the
-full path, which recomputes the spans.  So one decomposed character costs the ops near
-it, not the rest of the session.
+decomposed file name), the tokens tile the *normalized* text.  The session keeps token
+starts in normalized coordinates and remembers each such span (raw range, byte delta;
+``nfc_spans.py``: spans between NFC-inert characters, so NFC of the text is NFC of the
+pieces).  A repair window is cut before NFC-inert characters outside every span
+(`_nfc_edges`), so NFC of the window is the matching slice of NFC of the text; the
+window's own spans (old ones it covers, new ones the change brings) map its fresh token
+starts to raw positions, the session's spans map the cached ones, and the splice is
+accepted at stable boundaries (inert on both sides, hence outside every span) exactly as
+elsewhere.  The committed spans are the old ones outside the splice plus the window's
+inside it.  So decomposed text costs nothing extra, wherever it is and however it
+arrives; only a change inside a run of more than `MAX_EDGE_STEPS` combining characters
+takes the full path.
 
 Unsupported families (`tokenizer.family is None`) always take the full path, which
 for large texts encodes chunks cut at standalone-stable boundaries in parallel
@@ -56,10 +61,12 @@ from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidState, InvalidText
 from .families import I
 from .fullpath import FullPath
+from .nfc_spans import SpanMap, nfc_spans
 from .offsets import SparseOffsets
 from .registry import FrozenTokenizer
 
 MAX_WIDENINGS = 5
+MAX_EDGE_STEPS = 64  # characters an NFC window edge may move to reach an NFC-inert one
 MAX_TEXT_BYTES = 1 << 32  # token start offsets are uint32
 
 
@@ -153,9 +160,10 @@ class Session:
         self._spliceable = tokenizer.family_info is not None
         self._why_not = tokenizer.family_reason
         self._tiles = True  # token bytes tile the text (empty text trivially)
-        # NFC families: text spans the normalizer changes, as (raw start, raw end, byte delta), sorted.
-        # Token starts are kept in normalized coordinates; repairs stay clear of these spans.
+        # NFC families: text spans the normalizer changes, as (raw start, raw end, byte delta), sorted,
+        # and the raw <-> normalized position map they define.  Token starts are normalized coordinates.
         self._dirty: list[tuple[int, int, int]] = []
+        self._dmap = SpanMap([])
         # An operator (e.g. the shadow verifier on a mismatch) may switch splicing off.
         self.fast_path = True
         if text:
@@ -187,7 +195,7 @@ class Session:
         new._ids.assign(self._ids.view())
         new._starts = self._starts.copy()
         new._spliceable, new._why_not, new._tiles = self._spliceable, self._why_not, self._tiles
-        new._dirty = list(self._dirty)
+        new._set_dirty(list(self._dirty))
         new.fast_path = self.fast_path
         return new
 
@@ -386,7 +394,7 @@ class Session:
         dirty: list[tuple[int, int, int]] = []
         ok = self._tiles_exactly(ids, text, lens)
         if not ok and self.tokenizer.family_info.nfc:
-            found = _nfc_spans(self.tokenizer, text)
+            found = nfc_spans(self.tokenizer, text)
             if found is not None:
                 dirty, normalized = found
                 ok = self._tiles_exactly(ids, normalized, lens)
@@ -395,19 +403,16 @@ class Session:
         else:
             self._starts.rebuild(ids[:0])
             dirty = []
-        self._tiles, self._dirty = ok, dirty
+        self._tiles = ok
+        self._set_dirty(dirty)
+
+    def _set_dirty(self, spans: list[tuple[int, int, int]]) -> None:
+        self._dirty = spans
+        self._dmap = SpanMap(spans)
 
     def _norm(self, x: int) -> int:
         """Normalized-coordinate position of raw byte position `x` (outside every dirty span)."""
-        d = 0
-        for a, b, delta in self._dirty:
-            if b > x:
-                break
-            d += delta
-        return x + d
-
-    def _touches_dirty(self, a: int, b: int) -> bool:
-        return any(ra < b and rb > a for ra, rb, _ in self._dirty)
+        return self._dmap.norm(x)
 
     def _repair(self, s: int, e: int, data: bytes, dchars: int) -> OpResult | str:
         """The spliced result, or why no splice was certified."""
@@ -416,6 +421,7 @@ class Session:
         n_old = len(T)
         lx = len(data)
         delta = lx - (e - s)
+        nfc = tok.family_info.nfc
         wl = wr = self.window
         for widenings in range(MAX_WIDENINGS + 1):
             p = max(0, s - wl)
@@ -424,36 +430,81 @@ class Session:
             r = min(n_old, e + wr)
             while r < n_old and (T[r] & 0xC0) == 0x80:
                 r += 1
-            if self._dirty and self._touches_dirty(p, r):
-                return "the repair window reaches a span the normalizer changes (NFC)"
+            if nfc:
+                edges = self._nfc_edges(p, r, s, e)
+                if edges is None:
+                    return "no NFC-safe window edge (long runs of combining characters around the change)"
+                p, r = edges
             window = bytes(T[p:s]) + data + bytes(T[e:r])
             try:
                 wtext = window.decode("utf-8")
             except UnicodeDecodeError as exc:  # only reachable through a broken caller offset
                 raise InvalidText(f"edit splits a UTF-8 sequence ({exc.reason})") from None
+            # NFC families: the window's own spans the normalizer changes (old ones inside it, and
+            # any the change brings); its tokens tile the normalized window.
+            wmap, wnorm = SpanMap([]), window
+            if nfc and not window.isascii():
+                found = nfc_spans(tok, window)
+                if found is not None:
+                    wmap, wnorm = SpanMap(found[0]), found[1]
             # A huge change (a tool result of 100K+ chars) is a full encode of its own:
             # give it the parallel full path; small windows stay on this thread.
             big = self.full_path.is_parallel(len(wtext))
             fresh = self.full_path.encode(tok, wtext) if big else tok.encode_fast(wtext)
             self.stats.tokens_retokenized += len(fresh)
-            if tok.table.has_uncertain(fresh) and not tok.table.canonical_spans_ok(fresh, window):
+            if tok.table.has_uncertain(fresh) and not tok.table.canonical_spans_ok(fresh, wnorm):
                 # Fresh starts come from canonical lengths: unproven once a token may span other bytes.
                 return "window holds a token whose byte span the text does not prove (see TokenTable)"
-            fstarts = _exclusive_cumsum(tok.token_len[fresh], p)
-            ctx = _Context(tok, T, s, e, data, p, r, wtext, window)
-            left = _Side(True, 0, 0, 0) if p == 0 else self._find_left(ctx, fresh, fstarts)
+            fnorm = _exclusive_cumsum(tok.token_len[fresh], 0)  # normalized, window-local
+            ctx = _Context(tok, T, s, e, data, p, r, wtext, window, wmap, fnorm)
+            left = _Side(True, 0, 0, 0) if p == 0 else self._find_left(ctx, fresh)
             right = (_Side(True, self._ids.n, len(fresh), n_old + delta) if r == n_old
-                     else self._find_right(ctx, fresh, fstarts, delta))
+                     else self._find_right(ctx, fresh, delta))
             if left.ok and right.ok and left.fresh_idx <= right.fresh_idx:
                 mid = fresh[left.fresh_idx : right.fresh_idx]
-                if self._tiles_exactly(mid, window[left.pos - p : right.pos - p]):
-                    return self._commit(s, e, data, dchars, left, right, mid, delta, widenings)
+                lo, hi = (int(v) for v in wmap.to_norm(np.array([left.pos - p, right.pos - p])))
+                if lo >= 0 and hi >= 0 and self._tiles_exactly(mid, wnorm[lo:hi]):
+                    return self._commit(s, e, data, dchars, left, right, mid, delta, widenings,
+                                        [(a + p, b + p, d) for a, b, d in wmap.spans])
                 return "spliced tokens do not tile the new text (the normalizer changed it)"
             if not left.ok:
                 wl *= 2
             if not right.ok:
                 wr *= 2
         return f"no certified splice after {MAX_WIDENINGS} widenings"
+
+    def _nfc_edges(self, p: int, r: int, s: int, e: int) -> tuple[int, int] | None:
+        """Window edges moved out to NFC-inert characters outside every old span.
+
+        NFC of a window cut before inert characters is the matching slice of NFC of the
+        text, so its tokens and spans are the text's.  None when no such edge lies within
+        `MAX_EDGE_STEPS` characters (a long run of combining marks).
+        """
+        T, n, dmap = self._text, len(self._text), self._dmap
+        classes = self.tokenizer.classes
+        for _ in range(MAX_EDGE_STEPS):
+            span = dmap.inside(p)
+            if span is not None:
+                p = span[0]
+            if p == 0 or classes[_char_at(T, p)] & I:
+                break
+            p -= 1
+            while p > 0 and (T[p] & 0xC0) == 0x80:
+                p -= 1
+        else:
+            return None
+        for _ in range(MAX_EDGE_STEPS):
+            span = dmap.inside(r)
+            if span is not None:
+                r = span[1]
+            if r >= n or classes[_char_at(T, r)] & I:
+                break
+            r += 1
+            while r < n and (T[r] & 0xC0) == 0x80:
+                r += 1
+        else:
+            return None
+        return min(p, s), max(r, e)
 
     def _tiles_exactly(self, ids: np.ndarray, text: bytes, lens: np.ndarray | None = None) -> bool:
         """Whether the tokens' bytes concatenate to `text`.
@@ -488,44 +539,73 @@ class Session:
         runs.sort(key=lambda t: (-t[2], -t[0]))
         return runs
 
-    def _find_left(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray) -> _Side:
+    def _cached_raw(self, ids: np.ndarray, k_lo: int, k_hi: int) -> np.ndarray:
+        """Raw byte starts of cached tokens k_lo..k_hi-1; tokens starting inside an NFC span get
+        distinct negative markers (they have no raw position and never agree with a fresh start)."""
+        c = self._starts.starts(ids, k_lo, k_hi)
+        if not self._dmap:
+            return c
+        raw = self._dmap.to_raw(c)
+        bad = raw < 0
+        if bad.any():
+            raw[bad] = -(1 << 40) - np.flatnonzero(bad)
+        return raw
+
+    @staticmethod
+    def _fresh_raw(ctx: "_Context") -> np.ndarray:
+        """Raw new-text byte starts of the fresh tokens (negative markers inside the window's spans)."""
+        raw = ctx.wmap.to_raw(ctx.fnorm) if ctx.wmap else ctx.fnorm.copy()
+        bad = raw < 0
+        raw += ctx.p
+        if bad.any():
+            raw[bad] = -(1 << 41) - np.flatnonzero(bad)
+        return raw
+
+    def _find_left(self, ctx: "_Context", fresh: np.ndarray) -> _Side:
         ids = self._ids.view()
-        shift = self._norm(ctx.p) - ctx.p  # constant over the window: no dirty span inside it
-        k_lo = self._starts.locate(ids, ctx.p + shift)
-        k_hi = self._starts.locate(ids, ctx.s + shift)
-        j_hi = int(np.searchsorted(fstarts, ctx.s, "left"))
-        c_starts = self._starts.starts(ids, k_lo, k_hi) - shift
+        dmap = self._dmap
+        k_lo = self._starts.locate(ids, dmap.norm(ctx.p))  # p lies outside every span (`_nfc_edges`)
+        k_hi = self._starts.locate(ids, dmap.norm(ctx.s, "floor"))
+        # fresh tokens starting before the change (a span the change joins counts as changed)
+        s_norm = int(ctx.wmap.to_norm(np.array([ctx.s - ctx.p]), "floor")[0]) if ctx.wmap else ctx.s - ctx.p
+        j_hi = int(np.searchsorted(ctx.fnorm, s_norm, "left"))
+        c_starts = self._cached_raw(ids, k_lo, k_hi)
         c_ids = ids[k_lo:k_hi]
-        for c0, f0, length in self._runs(c_starts, c_ids, fstarts[:j_hi], fresh[:j_hi]):
+        fstarts = self._fresh_raw(ctx)[:j_hi]
+        for c0, f0, length in self._runs(c_starts, c_ids, fstarts, fresh[:j_hi]):
             if not self._run_ok(c_starts, c_ids, c0, length):
                 continue
-            cand = c_starts[c0 + 1 : c0 + length]  # token starts with an agreeing token before
-            cand = cand[(cand > ctx.p) & (cand < ctx.s)]
+            run = c_starts[c0 + 1 : c0 + length]  # token starts with an agreeing token before
+            cand = run[(run > ctx.p) & (run < ctx.s)]
             good = ctx.stable_positions(cand, old_too=True)
             if len(good):
                 q = int(good[-1])
-                off = int(np.searchsorted(c_starts, q))
+                off = c0 + 1 + int(np.searchsorted(run, q))
                 return _Side(True, k_lo + off, f0 + (off - c0), q)
         return _Side(False)
 
-    def _find_right(self, ctx: "_Context", fresh: np.ndarray, fstarts: np.ndarray, delta: int) -> _Side:
+    def _find_right(self, ctx: "_Context", fresh: np.ndarray, delta: int) -> _Side:
         ids = self._ids.view()
-        shift = self._norm(ctx.e) - ctx.e  # constant over the window: no dirty span inside it
-        k_lo = self._starts.locate(ids, ctx.e + shift)
-        k_hi = self._starts.locate(ids, ctx.r + shift)
+        dmap = self._dmap
+        k_lo = self._starts.locate(ids, dmap.norm(ctx.e, "ceil"))
+        k_hi = self._starts.locate(ids, dmap.norm(ctx.r))  # r lies outside every span
         new_mid_end = ctx.s + len(ctx.data)
-        j_lo = int(np.searchsorted(fstarts, new_mid_end, "left"))
-        c_starts = self._starts.starts(ids, k_lo, k_hi) - shift + delta  # raw, in new coordinates
+        e_norm = (int(ctx.wmap.to_norm(np.array([new_mid_end - ctx.p]), "ceil")[0]) if ctx.wmap
+                  else new_mid_end - ctx.p)
+        j_lo = int(np.searchsorted(ctx.fnorm, e_norm, "left"))
+        c_starts = self._cached_raw(ids, k_lo, k_hi)
+        c_starts = np.where(c_starts >= 0, c_starts + delta, c_starts)  # raw, in new coordinates
         c_ids = ids[k_lo:k_hi]
-        for c0, f0, length in self._runs(c_starts, c_ids, fstarts[j_lo:], fresh[j_lo:]):
+        fstarts = self._fresh_raw(ctx)[j_lo:]
+        for c0, f0, length in self._runs(c_starts, c_ids, fstarts, fresh[j_lo:]):
             if not self._run_ok(c_starts, c_ids, c0, length):
                 continue
-            cand = c_starts[c0 + 1 : c0 + length]
-            cand = cand[cand > new_mid_end]
+            run = c_starts[c0 + 1 : c0 + length]
+            cand = run[run > new_mid_end]
             good = ctx.stable_positions(cand, old_too=True, delta=delta)
             if len(good):
                 q = int(good[0])
-                off = int(np.searchsorted(c_starts, q))
+                off = c0 + 1 + int(np.searchsorted(run, q))
                 return _Side(True, k_lo + off, j_lo + f0 + (off - c0), q)
         return _Side(False)
 
@@ -538,7 +618,7 @@ class Session:
         return end - int(c_starts[c0]) > self.tokenizer.max_token_bytes
 
     def _commit(self, s: int, e: int, data: bytes, dchars: int, left: _Side, right: _Side,
-                mid: np.ndarray, delta: int, widenings: int) -> OpResult:
+                mid: np.ndarray, delta: int, widenings: int, wspans: list[tuple[int, int, int]]) -> OpResult:
         k1, k2 = left.cached_idx, right.cached_idx
         old_seg = self._ids.view()[k1:k2].copy()
         # Allocate before mutating anything: a failed allocation leaves the session intact.
@@ -548,8 +628,13 @@ class Session:
         self._ids.replace(k1, k2, mid)
         # Tokens before k1 did not move; starts are normalized coordinates (dirty spans before k1).
         self._starts.rebuild(self._ids.view(), k1, self._norm(left.pos))
-        if self._dirty:  # spans right of the edit move with the text (none lies in the window)
-            self._dirty = [(a, b, d) if b <= s else (a + delta, b + delta, d) for a, b, d in self._dirty]
+        if self._dirty or wspans:
+            # Spans never straddle a stable boundary (both its characters are NFC-inert): keep the
+            # old ones left of the splice, take the window's between its boundaries, shift the rest.
+            old_right = right.pos - delta
+            self._set_dirty([sp for sp in self._dirty if sp[1] <= left.pos]
+                            + [sp for sp in wspans if sp[0] >= left.pos and sp[1] <= right.pos]
+                            + [(a + delta, b + delta, d) for a, b, d in self._dirty if a >= old_right])
         first_changed = _first_difference(self._ids.view(), k1, old_seg, len(mid))
         if s == e == len(self._text):
             self._text += data
@@ -564,6 +649,13 @@ class Session:
         else:
             self.stats.first_window += 1
         return OpResult(self._ids.view(), first_changed, path, widenings)
+
+
+def _char_at(text: bytearray, i: int) -> int:
+    """Code point of the UTF-8 character starting at byte `i`."""
+    lead = text[i]
+    n = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    return ord(bytes(text[i : i + n]).decode("utf-8"))
 
 
 def _byte_offset(text: bytearray, nchars: int, c: int, chunk: int = 1 << 16) -> int:
@@ -595,62 +687,6 @@ def _byte_offset(text: bytearray, nchars: int, c: int, chunk: int = 1 << 16) -> 
     finally:
         del arr  # release the buffer export before the bytearray is resized
     raise AssertionError("character count out of sync with the text")  # pragma: no cover
-
-
-#: More candidate spans than this and a text is left unspliceable (as before local certification):
-#: normalizing each span separately would cost more than the full path it saves.
-MAX_NFC_SPANS = 4096
-
-
-def _nfc_spans(tok: FrozenTokenizer, text: bytes) -> tuple[list[tuple[int, int, int]], bytes] | None:
-    """The spans of `text` the tokenizer's normalizer changes, and the text with them normalized.
-
-    A candidate span covers a run of non-NFC-inert characters (class ``I``, see
-    `families/base.py`), starting at the inert character before it and ending before the
-    next inert one, so NFC(text) is the concatenation of NFC of the pieces between span
-    edges.  Returns ([(raw start, raw end, byte delta)], piecewise-normalized text) for the
-    spans the engine's normalizer changes, or None when there are none or too many.
-    """
-    s = text.decode("utf-8")
-    cps = np.frombuffer(s.encode("utf-32-le"), dtype="<u4")
-    inert = (tok.classes[cps] & I) != 0
-    bad = np.flatnonzero(~inert)
-    if not len(bad):
-        return None
-    # Each non-inert character's span: [the inert character before it, the next inert one).
-    inert_idx = np.flatnonzero(inert)
-    if len(inert_idx):
-        k = np.searchsorted(inert_idx, bad)  # inert characters before each bad one
-        starts = np.where(k > 0, inert_idx[np.maximum(k - 1, 0)], 0)
-        ends = np.where(k < len(inert_idx), inert_idx[np.minimum(k, len(inert_idx) - 1)], len(cps))
-    else:
-        starts, ends = np.zeros_like(bad), np.full_like(bad, len(cps))
-    spans: list[list[int]] = []
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        if spans and a <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], b)
-        else:
-            spans.append([a, b])
-        if len(spans) > MAX_NFC_SPANS:
-            return None
-    _, offs = char_byte_offsets(s)
-    out: list[tuple[int, int, int]] = []
-    parts: list[bytes] = []
-    prev = 0
-    for a, b in spans:
-        raw = s[a:b]
-        norm = tok.engine.normalize(raw)
-        if norm == raw:
-            continue
-        ra, rb = int(offs[a]), int(offs[b])
-        nb = norm.encode("utf-8")
-        parts += [text[prev:ra], nb]
-        prev = rb
-        out.append((ra, rb, len(nb) - (rb - ra)))
-    if not out:
-        return None
-    parts.append(text[prev:])
-    return out, b"".join(parts)
 
 
 def _checked_ids(ids: object, vocab: int) -> np.ndarray:
@@ -720,8 +756,11 @@ class _Context:
     """One repair attempt's local text: candidate-boundary checks in old and new text."""
 
     def __init__(self, tok: FrozenTokenizer, T: bytearray, s: int, e: int, data: bytes, p: int, r: int,
-                 wtext: str, window: bytes) -> None:
+                 wtext: str, window: bytes, wmap: SpanMap, fnorm: np.ndarray) -> None:
         self.tok, self.s, self.e, self.data, self.p, self.r = tok, s, e, data, p, r
+        # NFC families: the window's normalizer-changed spans (window-local) and the fresh
+        # tokens' starts in normalized window-local coordinates.
+        self.wmap, self.fnorm = wmap, fnorm
         self.cps, offs = char_byte_offsets(wtext)
         offs += p
         self.char_starts = offs[:-1]  # new-text byte position of each window char
