@@ -73,6 +73,10 @@ class LiteralIndex:
     def __bool__(self) -> bool:
         return bool(self._tries)
 
+    def occurs(self, buf: bytes) -> bool:
+        """Whether some literal occurs in `buf` (one search per first byte)."""
+        return any(trie.search(buf) is not None for trie in self._tries)
+
     def crossed(self, buf: bytes) -> np.ndarray:
         """bool[len(buf)+1]: True at i when an occurrence [a, b) in `buf` has a < i < b."""
         out = None  # most windows hold no literal: one search per first byte, nothing else

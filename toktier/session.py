@@ -23,6 +23,13 @@ Repair of an edit T -> T' = T[:s] + X + T[e:] (an append is s = e = len(T)):
    added-token literal spans in T or T'.  Right of the change likewise (cached
    offsets shifted by len(X) - (e - s)), giving q2.  At a side that reaches the
    text's end no boundary is needed.
+   Inside a long piece (a run of ``=``, DNA, spaces, digits) there is no stable
+   boundary; then a token start of an agreeing run is accepted where the pair around
+   it is *glued* (``families/glue.py``: no scan separates it, and every scan ends the
+   piece at the same place) or where a whole digit-triple token ends/starts: BPE's
+   valid-encoding properties make old tokens up to it plus fresh tokens from it the
+   new piece's encoding.  Window edges are moved to cached token starts so that the
+   fresh tokens of such a piece line up with the cached ones.
 3. Splice: ids = cached[:k1] + fresh[q1:q2] + cached[k2:]; the fresh tokens'
    bytes must tile T'[q1:q2] exactly (this also certifies that an NFC normalizer
    left the span unchanged).
@@ -59,7 +66,8 @@ import numpy as np
 from .boundaries import LiteralFilter, char_byte_offsets
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidState, InvalidText
-from .families import I
+from .families import I, W
+from .families.glue import digit_piece_tokens, glue_mask
 from .fullpath import FullPath
 from .nfc_spans import SpanMap, nfc_spans
 from .offsets import SparseOffsets
@@ -100,6 +108,7 @@ class SessionStats:
     widened: int = 0
     full: int = 0
     widenings: int = 0
+    glued: int = 0  # splices cut inside a long piece (``families/glue.py``), counted in first_window/widened too
     tokens_retokenized: int = 0  # tokens produced by window or full encodes
     full_reasons: dict[str, int] = field(default_factory=dict)
 
@@ -127,6 +136,7 @@ class _Side:
     cached_idx: int = 0  # k: cached token index at the boundary
     fresh_idx: int = 0  # j: fresh token index at the boundary
     pos: int = 0  # boundary byte position (new-text coordinates)
+    glued: bool = False  # a token boundary inside a long piece (``families/glue.py``), not a stable one
 
 
 class Session:
@@ -430,6 +440,9 @@ class Session:
             r = min(n_old, e + wr)
             while r < n_old and (T[r] & 0xC0) == 0x80:
                 r += 1
+            # Edges at cached token starts: inside a long piece the fresh tokens then line up
+            # with the cached ones (a run of one character tokenizes from its start).
+            p, r = self._token_edges(p, r, s, e)
             if nfc:
                 edges = self._nfc_edges(p, r, s, e)
                 if edges is None:
@@ -472,6 +485,23 @@ class Session:
             if not right.ok:
                 wr *= 2
         return f"no certified splice after {MAX_WIDENINGS} widenings"
+
+    def _token_edges(self, p: int, r: int, s: int, e: int) -> tuple[int, int]:
+        """p moved left to the start of the cached token holding it, r right to the next token start."""
+        ids = self._ids.view()
+        n = len(ids)
+        if p > 0 and n:
+            k = self._starts.locate(ids, self._dmap.norm(p, "floor"))
+            if k > 0:
+                q = int(self._cached_raw(ids, k - 1, k)[0])
+                if 0 <= q <= p:
+                    p = q
+        if r < len(self._text) and n:
+            k = self._starts.locate(ids, self._dmap.norm(r, "ceil"))
+            q = int(self._cached_raw(ids, k, k + 1)[0]) if k < n else len(self._text)
+            if q >= r:
+                r = q
+        return min(p, s), max(r, e)
 
     def _nfc_edges(self, p: int, r: int, s: int, e: int) -> tuple[int, int] | None:
         """Window edges moved out to NFC-inert characters outside every old span.
@@ -572,16 +602,22 @@ class Session:
         c_starts = self._cached_raw(ids, k_lo, k_hi)
         c_ids = ids[k_lo:k_hi]
         fstarts = self._fresh_raw(ctx)[:j_hi]
-        for c0, f0, length in self._runs(c_starts, c_ids, fstarts, fresh[:j_hi]):
-            if not self._run_ok(c_starts, c_ids, c0, length):
-                continue
-            run = c_starts[c0 + 1 : c0 + length]  # token starts with an agreeing token before
-            cand = run[(run > ctx.p) & (run < ctx.s)]
-            good = ctx.stable_positions(cand, old_too=True)
-            if len(good):
-                q = int(good[-1])
-                off = c0 + 1 + int(np.searchsorted(run, q))
-                return _Side(True, k_lo + off, f0 + (off - c0), q)
+        runs = [(c0, f0, n) for c0, f0, n in self._runs(c_starts, c_ids, fstarts, fresh[:j_hi])
+                if self._run_ok(c_starts, c_ids, c0, n)]
+        for glued in (False, True):  # a stable boundary anywhere first; else a cut inside a long piece
+            for c0, f0, length in runs:
+                run = c_starts[c0 + 1 : c0 + length]  # token starts with an agreeing token before
+                inside = (run > ctx.p) & (run < ctx.s)
+                cand = run[inside]
+                if glued:  # the token before a digit cut is a whole triple
+                    good = np.union1d(ctx.glued_positions(cand, left=True),
+                                      ctx.digit_cuts(cand, c_ids[c0 : c0 + length - 1][inside]))
+                else:
+                    good = ctx.stable_positions(cand, old_too=True)
+                if len(good):
+                    q = int(good[-1])
+                    off = c0 + 1 + int(np.searchsorted(run, q))
+                    return _Side(True, k_lo + off, f0 + (off - c0), q, glued)
         return _Side(False)
 
     def _find_right(self, ctx: "_Context", fresh: np.ndarray, delta: int) -> _Side:
@@ -597,16 +633,22 @@ class Session:
         c_starts = np.where(c_starts >= 0, c_starts + delta, c_starts)  # raw, in new coordinates
         c_ids = ids[k_lo:k_hi]
         fstarts = self._fresh_raw(ctx)[j_lo:]
-        for c0, f0, length in self._runs(c_starts, c_ids, fstarts, fresh[j_lo:]):
-            if not self._run_ok(c_starts, c_ids, c0, length):
-                continue
-            run = c_starts[c0 + 1 : c0 + length]
-            cand = run[run > new_mid_end]
-            good = ctx.stable_positions(cand, old_too=True, delta=delta)
-            if len(good):
-                q = int(good[0])
-                off = c0 + 1 + int(np.searchsorted(run, q))
-                return _Side(True, k_lo + off, j_lo + f0 + (off - c0), q)
+        runs = [(c0, f0, n) for c0, f0, n in self._runs(c_starts, c_ids, fstarts, fresh[j_lo:])
+                if self._run_ok(c_starts, c_ids, c0, n)]
+        for glued in (False, True):
+            for c0, f0, length in runs:
+                run = c_starts[c0 + 1 : c0 + length]
+                inside = run > new_mid_end
+                cand = run[inside]
+                if glued:  # the token at a digit cut is a whole triple
+                    good = np.union1d(ctx.glued_positions(cand, left=False),
+                                      ctx.digit_cuts(cand, c_ids[c0 + 1 : c0 + length][inside]))
+                else:
+                    good = ctx.stable_positions(cand, old_too=True, delta=delta)
+                if len(good):
+                    q = int(good[0])
+                    off = c0 + 1 + int(np.searchsorted(run, q))
+                    return _Side(True, k_lo + off, j_lo + f0 + (off - c0), q, glued)
         return _Side(False)
 
     def _run_ok(self, c_starts: np.ndarray, c_ids: np.ndarray, c0: int, length: int) -> bool:
@@ -642,6 +684,8 @@ class Session:
             self._text[s:e] = data
         self._nchars += dchars
         self._ascii = self._ascii and data.isascii()  # conservative after deletions
+        if left.glued or right.glued:
+            self.stats.glued += 1
         path = RepairPath.FIRST_WINDOW if widenings == 0 else RepairPath.WIDENED
         if widenings:
             self.stats.widened += 1
@@ -761,6 +805,8 @@ class _Context:
         # NFC families: the window's normalizer-changed spans (window-local) and the fresh
         # tokens' starts in normalized window-local coordinates.
         self.wmap, self.fnorm = wmap, fnorm
+        self.window, self.ends_text, self.T = window, r == len(T), T
+        self._glue_sums: np.ndarray | None = None
         self.cps, offs = char_byte_offsets(wtext)
         offs += p
         self.char_starts = offs[:-1]  # new-text byte position of each window char
@@ -773,6 +819,82 @@ class _Context:
             self.lits_new = LiteralFilter(lit, bytes(T[lo:s]) + data + bytes(T[e:hi_old]), lo)
             self.lits_old = LiteralFilter(lit, bytes(T[lo:hi_old]), lo)
         self.delta = len(data) - (e - s)
+
+    def glued_positions(self, cand: np.ndarray, left: bool) -> np.ndarray:
+        """The candidates (sorted new-text byte positions) where a long piece may be cut at a token
+        boundary (``families/glue.py``): glued, with a glued stretch longer than the longest token
+        on the cut's side inside the window and free of added-token literals.
+
+        Left of the change the stretch ends at the cut; right of it, it starts at the cut, which
+        lies three characters past the change (the glue rules read text[c-3:c+1] unchanged).
+        """
+        if not len(cand):
+            return cand
+        tok = self.tok
+        n = len(self.cps)
+        if self._glue_sums is None:
+            g = glue_mask(tok.family_info, tok.classes, self.cps, ends_text=self.ends_text,
+                          lead_clean=self._lead_whitespace_clean())
+            self._glue_sums = np.concatenate(([0], np.cumsum(~g)))  # non-glued boundaries before j
+        sums = self._glue_sums
+        k = tok.max_token_bytes + 1  # characters: at least as many bytes
+        ci = np.searchsorted(self.char_starts, cand)
+        ok = (ci > 0) & (ci < n)
+        ci_c = np.clip(ci, 1, n - 1)
+        ok &= self.char_starts[ci_c] == cand
+        if left:
+            # boundaries lo..ci all glued; c + 1 still old text (the whitespace rule reads it)
+            ok &= ci_c + 1 < int(np.searchsorted(self.char_starts, self.s))
+            lo, hi = ci_c - k + 1, ci_c + 1
+        else:
+            first = int(np.searchsorted(self.char_starts, self.s + len(self.data)))
+            ok &= ci_c >= first + 3
+            lo, hi = ci_c, ci_c + k
+        ok &= (lo >= 1) & (hi <= n)
+        lo_c, hi_c = np.clip(lo, 0, n), np.clip(hi, 0, n)
+        ok &= sums[hi_c] - sums[lo_c] == 0
+        if self.tok.literals and ok.any():
+            lit = self.tok.literals
+            for i in np.flatnonzero(ok):
+                a = int(self.char_starts[max(lo_c[i] - 1, 0)]) - self.p
+                b = int(self.char_starts[hi_c[i]]) - self.p if hi_c[i] < n else len(self.window)
+                if lit.occurs(self.window[a:b]):
+                    ok[i] = False
+            ok &= self.lits_new.keep(cand)
+            ok &= self.lits_old.keep(np.where(cand < self.s, cand, cand - self.delta))
+        return cand[ok]
+
+    def _lead_whitespace_clean(self) -> bool:
+        """Whether the text before the window ends in spaces/tabs back to a non-space or the start."""
+        T, p = self.T, self.p
+        chunk = 256
+        while True:
+            lo = max(0, p - chunk)
+            seg = np.frombuffer(bytes(T[lo:p]), dtype=np.uint8)
+            other = np.flatnonzero((seg != 0x20) & (seg != 0x09))
+            if len(other):
+                i = lo + int(other[-1])
+                while i > 0 and (T[i] & 0xC0) == 0x80:
+                    i -= 1
+                return not (self.tok.classes[_char_at(T, i)] & W)
+            if lo == 0:
+                return True
+            chunk *= 4
+
+    def digit_cuts(self, cand: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+        """The candidates whose `pieces` token (the token ending or starting there, agreeing in
+        old and new text) is a whole digit-triple piece: a piece boundary in every scan."""
+        table = self.tok.derived.get("digit_piece_tokens", False)
+        if table is False:
+            table = self.tok.derived.setdefault(
+                "digit_piece_tokens", digit_piece_tokens(self.tok.family_info, self.tok.token_bytes))
+        if table is None or not len(cand):
+            return cand[:0]
+        ok = table[pieces]
+        if self.tok.literals and ok.any():
+            ok &= self.lits_new.keep(cand)
+            ok &= self.lits_old.keep(np.where(cand < self.s, cand, cand - self.delta))
+        return cand[ok]
 
     def stable_positions(self, cand: np.ndarray, old_too: bool, delta: int = 0) -> np.ndarray:
         """The candidates (new-text byte positions, sorted) that are certified boundaries."""
