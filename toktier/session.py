@@ -66,7 +66,7 @@ import numpy as np
 from .boundaries import LiteralFilter, char_byte_offsets
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidState, InvalidText
-from .families import I, W
+from .families import I, L, M, W
 from .families.glue import digit_piece_tokens, glue_mask
 from .fullpath import FullPath
 from .nfc_spans import SpanMap, nfc_spans
@@ -834,7 +834,8 @@ class _Context:
         n = len(self.cps)
         if self._glue_sums is None:
             g = glue_mask(tok.family_info, tok.classes, self.cps, ends_text=self.ends_text,
-                          lead_clean=self._lead_whitespace_clean())
+                          lead_clean=self._lead_whitespace_clean(),
+                          tail_ok=tok.family_info.name == "deepseek" and self._ascii_run_tail_ok())
             self._glue_sums = np.concatenate(([0], np.cumsum(~g)))  # non-glued boundaries before j
         sums = self._glue_sums
         k = tok.max_token_bytes + 1  # characters: at least as many bytes
@@ -880,6 +881,20 @@ class _Context:
             if lo == 0:
                 return True
             chunk *= 4
+
+    def _ascii_run_tail_ok(self) -> bool:
+        """Whether the ASCII letters at the old text's position r (the window's end) run on to a
+        character that is neither L nor M, or to the end of the text."""
+        T, r = self.T, self.r
+        chunk = 256
+        while r < len(T):
+            seg = np.frombuffer(bytes(T[r : r + chunk]), dtype=np.uint8)
+            other = np.flatnonzero(~(((seg >= 0x41) & (seg <= 0x5A)) | ((seg >= 0x61) & (seg <= 0x7A))))
+            if len(other):
+                return not (self.tok.classes[_char_at(T, r + int(other[0]))] & (L | M))
+            r += chunk
+            chunk *= 4
+        return True
 
     def digit_cuts(self, cand: np.ndarray, pieces: np.ndarray) -> np.ndarray:
         """The candidates whose `pieces` token (the token ending or starting there, agreeing in

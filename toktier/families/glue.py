@@ -62,7 +62,7 @@ _APOS = 0x27
 
 
 def whitespace_glue(cls: np.ndarray, cps: np.ndarray, lead_clean: bool) -> np.ndarray:
-    """bool[n-1]: j -> the boundary between cps[j] and cps[j+1] lies inside a run of spaces/tabs.
+    r"""bool[n-1]: j -> the boundary between cps[j] and cps[j+1] lies inside a run of spaces/tabs.
 
     Every family scans whitespace with ``\s*[\r\n]+ | \s+(?!\S) | \s+`` (tiktoken's
     cl100k adds ``\s++$``).  Inside a run, pieces start at its entry, after its last line
@@ -105,13 +105,15 @@ def _ascii_punct(cps: np.ndarray) -> np.ndarray:
 
 
 def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: bool,
-              lead_clean: bool = False) -> np.ndarray:
+              lead_clean: bool = False, tail_ok: bool = False) -> np.ndarray:
     """bool[len(cps)]: True at i >= 1 when the boundary between cps[i-1] and cps[i] is glued.
 
     `cps` is a stretch of the text (a repair window); `ends_text` says whether it ends
     where the text ends (DeepSeek's ASCII letter runs need to see their end);
     `lead_clean` whether a whitespace run reaching the stretch's first character holds
-    only spaces and tabs from its start (see `whitespace_glue`).
+    only spaces and tabs from its start (see `whitespace_glue`); `tail_ok` whether an ASCII
+    letter run reaching the stretch's last character ends, in the text, at a character
+    that is neither L nor M, or at the text's end (DeepSeek).
 
     >>> from toktier import load_tokenizer
     >>> tok = load_tokenizer("llama3")
@@ -153,7 +155,7 @@ def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: b
             nxt = np.minimum.accumulate(nxt[::-1])[::-1]
             end_char_ok = np.zeros(n + 1, dtype=bool)
             end_char_ok[:n] = ~((cls & (L | M)) != 0)
-            end_char_ok[n] = ends_text
+            end_char_ok[n] = ends_text or tail_ok
             glued |= aa & end_char_ok[nxt[1:]]
     else:
         return out
@@ -166,14 +168,15 @@ def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: b
 
 
 def digit_piece_tokens(fam: Family, token_bytes: list[bytes]) -> np.ndarray | None:
-    """bool per id: the token is three ASCII digits, a whole ``\p{N}{1,3}`` piece.
+    r"""bool per id: the token is a whole digit piece (three ASCII digits; Qwen: one).
 
     In families that cut digit runs into triples (cl100k / Llama-3, o200k, DeepSeek's
-    first stage) a token of three digits is a piece of its own, so its edges are piece
-    boundaries in every scan that produced it: a session may cut there (``session.py``)
-    although N->N pairs are not stable (the triples count from the run's start).  None
-    for families without digit triples.
+    first stage, ``\p{N}{1,3}``) a token of three digits is a piece of its own, so its edges
+    are piece boundaries in every scan that produced it: a session may cut there
+    (``session.py``) although N->N pairs are not stable (the triples count from the run's
+    start).  Qwen's ``\p{N}`` makes every digit a piece.  None for other families.
     """
-    if fam.name not in ("cl100k", "o200k", "deepseek"):
+    width = {"cl100k": 3, "o200k": 3, "deepseek": 3, "qwen": 1}.get(fam.name)
+    if width is None:
         return None
-    return np.array([len(b) == 3 and b.isdigit() for b in token_bytes], dtype=bool)
+    return np.array([len(b) == width and b.isdigit() for b in token_bytes], dtype=bool)
