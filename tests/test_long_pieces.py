@@ -205,8 +205,8 @@ def _caught(tok, texts_and_ops) -> bool:
 def _widened(monkeypatch, extra):
     original = glue_mod.glue_mask
 
-    def mutant(fam, classes, cps, *, ends_text, lead_clean=False):
-        return original(fam, classes, cps, ends_text=ends_text, lead_clean=lead_clean) | extra(fam, classes, cps)
+    def mutant(fam, classes, cps, **kw):
+        return original(fam, classes, cps, **kw) | extra(fam, classes, cps)
 
     monkeypatch.setattr("toktier.session.glue_mask", mutant)
 

@@ -501,6 +501,11 @@ class Session:
             q = int(self._cached_raw(ids, k, k + 1)[0]) if k < n else len(self._text)
             if q >= r:
                 r = q
+        T = self._text  # byte-level tokens may start inside a character: back to character starts
+        while p > 0 and (T[p] & 0xC0) == 0x80:
+            p -= 1
+        while r < len(T) and (T[r] & 0xC0) == 0x80:
+            r += 1
         return min(p, s), max(r, e)
 
     def _nfc_edges(self, p: int, r: int, s: int, e: int) -> tuple[int, int] | None:
