@@ -45,7 +45,7 @@ def nfc_spans(tok: "FrozenTokenizer", text: bytes) -> tuple[list[Span], bytes] |
     cps = np.frombuffer(s.encode("utf-32-le"), dtype="<u4")
     inert = (tok.classes[cps] & I) != 0
     bad = np.flatnonzero(~inert)
-    if not len(bad):
+    if not len(bad) or tok.engine.normalize(s) == s:  # one call settles most texts (Thai, Hindi: marks NFC keeps)
         return None
     # Each non-inert character's span: [the inert character before it, the next inert one).
     inert_idx = np.flatnonzero(inert)

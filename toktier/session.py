@@ -67,7 +67,7 @@ from .boundaries import LiteralFilter, char_byte_offsets
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidState, InvalidText
 from .families import I, L, M, W
-from .families.glue import digit_piece_tokens, glue_mask
+from .families.glue import case_table, digit_piece_tokens, glue_mask
 from .fullpath import FullPath
 from .nfc_spans import SpanMap, nfc_spans
 from .offsets import SparseOffsets
@@ -840,22 +840,26 @@ class _Context:
         if self._glue_sums is None:
             g = glue_mask(tok.family_info, tok.classes, self.cps, ends_text=self.ends_text,
                           lead_clean=self._lead_whitespace_clean(),
-                          tail_ok=tok.family_info.name == "deepseek" and self._ascii_run_tail_ok())
+                          tail_ok=tok.family_info.name == "deepseek" and self._ascii_run_tail_ok(),
+                          case=self._case_table())
             self._glue_sums = np.concatenate(([0], np.cumsum(~g)))  # non-glued boundaries before j
         sums = self._glue_sums
-        k = tok.max_token_bytes + 1  # characters: at least as many bytes
+        span = tok.max_token_bytes + 1  # bytes the glued stretch must cover on the cut's side
         ci = np.searchsorted(self.char_starts, cand)
         ok = (ci > 0) & (ci < n)
         ci_c = np.clip(ci, 1, n - 1)
         ok &= self.char_starts[ci_c] == cand
         if left:
-            # boundaries lo..ci all glued; c + 1 still old text (the whitespace rule reads it)
+            # boundaries lo..ci all glued, chars lo-1..ci covering `span` bytes before the cut;
+            # c + 1 still old text (the whitespace rule reads it)
             ok &= ci_c + 1 < int(np.searchsorted(self.char_starts, self.s))
-            lo, hi = ci_c - k + 1, ci_c + 1
+            lo = np.searchsorted(self.char_starts, cand - span, "right")  # char lo-1 starts <= cand - span
+            hi = ci_c + 1
         else:
             first = int(np.searchsorted(self.char_starts, self.s + len(self.data)))
             ok &= ci_c >= first + 3
-            lo, hi = ci_c, ci_c + k
+            lo = ci_c
+            hi = np.searchsorted(self.char_starts, cand + span, "left") + 1  # boundaries ci..hi-1
         ok &= (lo >= 1) & (hi <= n)
         lo_c, hi_c = np.clip(lo, 0, n), np.clip(hi, 0, n)
         ok &= sums[hi_c] - sums[lo_c] == 0
@@ -886,6 +890,16 @@ class _Context:
             if lo == 0:
                 return True
             chunk *= 4
+
+    def _case_table(self) -> np.ndarray | None:
+        """o200k's word classes (probed once per tokenizer, ~0.2 s, then cached on disk)."""
+        tok = self.tok
+        if tok.family_info.name != "o200k" or self.cps.max(initial=0) < 0x80:
+            return None
+        table = tok.derived.get("o200k_case")
+        if table is None:
+            table = tok.derived.setdefault("o200k_case", case_table(tok))
+        return table
 
     def _ascii_run_tail_ok(self) -> bool:
         """Whether the ASCII letters at the old text's position r (the window's end) run on to a

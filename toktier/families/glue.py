@@ -33,11 +33,16 @@ cl100k / Llama-3, Qwen (``X?L+``, ``\x20?P+[\r\n]*`` with P = [^\s L N]):
     P->P (P = not L, N, W; marks and ``'`` included).  A match holding two P
     characters is ``\x20?P+[\r\n]*`` (``X?L+`` holds one P, the contraction none),
     greedy to the end of the P run and its line breaks.
-o200k (case-aware words; M belongs to the word classes *and* to P, so it is left out):
-    A->A for ASCII letters, unless lower->upper (``aB`` starts a word at B).  The word
-    alternatives ``X?[UP]*[LO]+`` / ``X?[UP]+[LO]*`` hold the pair only as UP*->UP or
-    ->LO; which alternative matched was decided by the same text after c, so both
-    end at the same place.  P->P for P = not L, N, W, M (``\x20?P+[\r\n/]*``).
+o200k (case-aware words ``X?[UP]*[LO]+C?`` / ``X?[UP]+[LO]*C?``, UP = [Lu Lt Lm Lo M],
+LO = [Ll Lm Lo M], C a contraction suffix; `case_table` probes UP and LO):
+    x->y for x a letter (or a mark that continues a word: the nearest non-mark before it
+    is a letter) and y a letter or mark, unless x in LO and y in UP only (``aB`` starts a
+    word at B), and unless text[c-2] or text[c-3] is ``'`` (a suffix ``'s`` ends a word).
+    A word match holds such a pair as UP*->UP or ->LO; which alternative matched, and
+    where its [LO] part ends, is decided by the same text after c, so every scan ends at
+    the same place.  Marks after punctuation are punctuation (M is also in P below), so
+    a mark run is word-like only after a letter.  P->P for P = not L, N, W, M
+    (``\x20?P+[\r\n/]*``).
 DeepSeek (stage 3 on segments between digit triples and CJK/kana runs):
     P->P for ASCII punctuation and symbols (``\x20?[\p{P}\p{S}]+[\r\n]*``; the
     ``[ASCII punct][A-Za-z]+`` alternative holds one of them).  (L|M)->(L|M) outside K
@@ -59,6 +64,16 @@ from .base import I, Family
 from ..charclass import K, L, M, N, W
 
 _APOS = 0x27
+CASE_UP, CASE_LO = 1, 2  # `case_table` bits: o200k's [Lu Lt Lm Lo M] and [Ll Lm Lo M]
+
+
+def case_table(tok) -> np.ndarray:
+    """uint8 per code point: o200k's two word classes, probed from the reference engine (cached)."""
+    from ..charclass import LO, UP, class_table
+    from .o200k import LOWER_CLASS, UPPER_CLASS
+
+    table = class_table(tok.engine, tok.hash, {UP: UPPER_CLASS, LO: LOWER_CLASS})
+    return (((table & UP) != 0) * CASE_UP + ((table & LO) != 0) * CASE_LO).astype(np.uint8)
 
 
 def whitespace_glue(cls: np.ndarray, cps: np.ndarray, lead_clean: bool) -> np.ndarray:
@@ -105,7 +120,7 @@ def _ascii_punct(cps: np.ndarray) -> np.ndarray:
 
 
 def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: bool,
-              lead_clean: bool = False, tail_ok: bool = False) -> np.ndarray:
+              lead_clean: bool = False, tail_ok: bool = False, case: np.ndarray | None = None) -> np.ndarray:
     """bool[len(cps)]: True at i >= 1 when the boundary between cps[i-1] and cps[i] is glued.
 
     `cps` is a stretch of the text (a repair window); `ends_text` says whether it ends
@@ -113,7 +128,8 @@ def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: b
     `lead_clean` whether a whitespace run reaching the stretch's first character holds
     only spaces and tabs from its start (see `whitespace_glue`); `tail_ok` whether an ASCII
     letter run reaching the stretch's last character ends, in the text, at a character
-    that is neither L nor M, or at the text's end (DeepSeek).
+    that is neither L nor M, or at the text's end (DeepSeek); `case` o200k's word classes
+    (`case_table`; without it only ASCII letters glue there).
 
     >>> from toktier import load_tokenizer
     >>> tok = load_tokenizer("llama3")
@@ -136,10 +152,32 @@ def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: b
         back3 = np.concatenate(([True, True], apos[:-3]))
         glued = (is_l[:-1] & is_l[1:] & ~back2[: n - 1] & ~back3[: n - 1]) | (is_p[:-1] & is_p[1:])
     elif name == "o200k":
-        upper, lower = _ascii_letters(cps)
-        letter = upper | lower
+        apos = cps == _APOS
+        guard = ~np.concatenate(([True], apos[:-2])) & ~np.concatenate(([True, True], apos[:-3]))
+        if case is None:  # ASCII letters only: their case is fixed
+            up_only, lo = _ascii_letters(cps)
+            letter = up_only | lo
+            wordish = letter
+        else:
+            up_only = (case[cps] & (CASE_UP | CASE_LO)) == CASE_UP
+            lo = (case[cps] & CASE_LO) != 0
+            letter = (cls & L) != 0
+            mark = (cls & M) != 0
+            # a mark continues a word only after a letter (a run of marks after punctuation is
+            # punctuation), and not after a contraction suffix: the nearest non-mark before it
+            # is a letter, with no apostrophe in the three characters before that letter
+            idx = np.arange(n)
+            last_non_mark = np.maximum.accumulate(np.where(~mark, idx, -1))
+            lnm = np.maximum(last_non_mark, 0)
+            apos_near = np.zeros(n, dtype=bool)
+            for k in (1, 2, 3):
+                apos_near |= np.concatenate((np.ones(k, bool), apos[:-k]))[lnm] if n > k else True
+            word_mark = mark & (last_non_mark >= 0) & letter[lnm] & ~apos_near
+            wordish = letter | word_mark
+            letter = letter | mark  # what may follow inside a word
         is_p = (cls & (L | N | W | M)) == 0
-        glued = (letter[:-1] & letter[1:] & ~(lower[:-1] & upper[1:])) | (is_p[:-1] & is_p[1:])
+        glued = ((wordish[:-1] & letter[1:] & ~(lo[:-1] & up_only[1:]) & guard[: n - 1])
+                 | (is_p[:-1] & is_p[1:]))
     elif name == "deepseek":
         upper, lower = _ascii_letters(cps)
         ascii_letter = upper | lower
