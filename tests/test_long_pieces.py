@@ -33,7 +33,8 @@ HF_TOKENIZERS = [n for n in ALL_TOKENIZERS if n in ("llama3", "qwen3", "deepseek
 #: Characters that stress every glue rule: letters of both cases and scripts, marks, the
 #: apostrophe and contraction letters, punctuation, digits, every whitespace kind.
 ALPHABET = ("a", "b", "s", "t", "A", "B", "é", "É", "ก", "ข", "\u0e34", "\u0301", "中", "'", "=", "-", ".",
-            "/", "0", "7", " ", " ", "\t", "\n", "\r", "\u3000", "ß", "Ω")
+            "/", "0", "7", " ", " ", "\t", "\n", "\r", "\u3000", "ß", "Ω", "ʰ", "ǅ", "ſ", "\u212a", "あ", "ア", "・",
+            "\u3099", "٣", "½", "\u00a0", "\u2028", "\x0b", "\x85", "\u0308", "\u093f", "क", "😀", "\u200d", "#", "|")
 
 
 def _cps(text: str) -> np.ndarray:
@@ -60,7 +61,8 @@ def _glue_failures(tok, text: str, mask_fn=glue_mask, tails=("\n", "\r\n", " x",
     """Glued boundaries of `text` violating (a) no piece boundary, (b) the same piece ends from
     any scan start before it, (c) the same start of the piece holding it whatever follows c + 1."""
     cps = _cps(text)
-    g = mask_fn(tok.family_info, tok.classes, cps, ends_text=True, lead_clean=True)
+    case = glue_mod.case_table(tok) if tok.family_info.name == "o200k" else None
+    g = mask_fn(tok.family_info, tok.classes, cps, ends_text=True, lead_clean=True, case=case)
     glued = np.flatnonzero(g)
     if not len(glued):
         return []
@@ -91,16 +93,38 @@ def _glue_failures(tok, text: str, mask_fn=glue_mask, tails=("\n", "\r\n", " x",
     return bad
 
 
-@pytest.mark.parametrize("name", HF_TOKENIZERS)
+class _O200kPieces:
+    """o200k's tokenizer (classes, family, engine) with its regex run by HF's engine as the
+    piece oracle: tiktoken exposes no pieces; the ID-level tests below use tiktoken itself."""
+
+    def __init__(self) -> None:
+        from tokenizers import Regex, pre_tokenizers
+
+        from toktier.families.o200k import O200K
+
+        self._tok = get_tokenizer("o200k_base")
+        self._split = pre_tokenizers.Split(Regex(O200K), behavior="isolated")
+        self.engine = self
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def pre_tokenize(self, text: str):
+        return self._split.pre_tokenize_str(text)
+
+
+@pytest.mark.parametrize("name", HF_TOKENIZERS + ["o200k_base"])
 def test_glued_boundaries_are_inside_pieces_with_fixed_starts_and_ends(name, tally):
-    tok = get_tokenizer(name)
+    tok = _O200kPieces() if name == "o200k_base" else get_tokenizer(name)
     checked = 0
     for text in _glue_texts(hash(name) & 0xFFFF):
         if tok.family_info.nfc:
             text = tok.engine.normalize(text)
         assert not _glue_failures(tok, text), (name, text, _glue_failures(tok, text)[:3])
-        checked += int(glue_mask(tok.family_info, tok.classes, _cps(text), ends_text=True, lead_clean=True).sum())
-    tally(tok, "pieces-glue", checked)
+        case = glue_mod.case_table(tok) if name == "o200k_base" else None
+        checked += int(glue_mask(tok.family_info, tok.classes, _cps(text), ends_text=True, lead_clean=True,
+                                 case=case).sum())
+    tally(getattr(tok, "_tok", tok), "pieces-glue", checked)
 
 
 def _run_shapes(rng: random.Random) -> dict[str, tuple[str, callable]]:
@@ -219,8 +243,8 @@ def test_mutation_whitespace_without_the_line_break_rule_is_caught():
     text = "x\n" + " " * 40 + "y"
     assert not _glue_failures(tok, text)
 
-    def mutant(fam, classes, cps, *, ends_text, lead_clean=False):
-        out = glue_mask(fam, classes, cps, ends_text=ends_text, lead_clean=lead_clean)
+    def mutant(fam, classes, cps, **kw):
+        out = glue_mask(fam, classes, cps, **kw)
         out[1:-1] |= (cps[:-2] == 0x20) & (cps[1:-1] == 0x20) & (cps[2:] == 0x20)
         return out
 
@@ -269,8 +293,8 @@ def test_mutation_letters_after_a_contraction_is_caught():
     text = "we don'tstopnow and it'sfine"
     assert not _glue_failures(tok, text)
 
-    def mutant(fam, classes, cps, *, ends_text, lead_clean=False):
-        out = glue_mask(fam, classes, cps, ends_text=ends_text, lead_clean=lead_clean)
+    def mutant(fam, classes, cps, **kw):
+        out = glue_mask(fam, classes, cps, **kw)
         is_l = (classes[cps] & L) != 0
         out[1:] |= is_l[:-1] & is_l[1:]
         return out

@@ -67,7 +67,7 @@ from .boundaries import LiteralFilter, char_byte_offsets
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidState, InvalidText
 from .families import I, L, M, W
-from .families.glue import case_table, digit_piece_tokens, glue_mask
+from .families.glue import CASE_LO, CASE_UP, case_table, digit_piece_tokens, glue_mask
 from .fullpath import FullPath
 from .nfc_spans import SpanMap, nfc_spans
 from .offsets import SparseOffsets
@@ -174,6 +174,9 @@ class Session:
         # and the raw <-> normalized position map they define.  Token starts are normalized coordinates.
         self._dirty: list[tuple[int, int, int]] = []
         self._dmap = SpanMap([])
+        # Long-piece look-backs (o200k word runs): key -> (checked up to byte, last code point before
+        # it outside the key's set, -1 if none); valid while the text before that byte is unchanged.
+        self._lookback: dict[str, tuple[int, int]] = {}
         # An operator (e.g. the shadow verifier on a mismatch) may switch splicing off.
         self.fast_path = True
         if text:
@@ -384,6 +387,7 @@ class Session:
             self._install_offsets(ids, new_text)
         self._ids.assign(ids)
         self._text[:] = new_text
+        self._lookback = {}
         self._nchars = nchars
         self._ascii = new_text.isascii()
         self.stats.full += 1
@@ -469,7 +473,7 @@ class Session:
                 # Fresh starts come from canonical lengths: unproven once a token may span other bytes.
                 return "window holds a token whose byte span the text does not prove (see TokenTable)"
             fnorm = _exclusive_cumsum(tok.token_len[fresh], 0)  # normalized, window-local
-            ctx = _Context(tok, T, s, e, data, p, r, wtext, window, wmap, fnorm)
+            ctx = _Context(tok, T, s, e, data, p, r, wtext, window, wmap, fnorm, self._lookback)
             left = _Side(True, 0, 0, 0) if p == 0 else self._find_left(ctx, fresh)
             right = (_Side(True, self._ids.n, len(fresh), n_old + delta) if r == n_old
                      else self._find_right(ctx, fresh, delta))
@@ -687,6 +691,8 @@ class Session:
             self._text += data
         else:
             self._text[s:e] = data
+        if self._lookback:
+            self._lookback = {k: v for k, v in self._lookback.items() if v[0] <= s}
         self._nchars += dchars
         self._ascii = self._ascii and data.isascii()  # conservative after deletions
         if left.glued or right.glued:
@@ -698,6 +704,17 @@ class Session:
         else:
             self.stats.first_window += 1
         return OpResult(self._ids.view(), first_changed, path, widenings)
+
+
+def case_table_of(tok: FrozenTokenizer) -> np.ndarray:
+    """o200k's word classes for `tok`, probed once per tokenizer (~0.2 s, then cached on disk)."""
+    table = tok.derived.get("o200k_case")
+    if table is None:
+        table = case_table(tok)
+        up = (table & CASE_UP) != 0
+        tok.derived.setdefault("o200k_up_masks", (up, up & ((table & CASE_LO) == 0)))
+        table = tok.derived.setdefault("o200k_case", table)
+    return table
 
 
 def _char_at(text: bytearray, i: int) -> int:
@@ -805,12 +822,13 @@ class _Context:
     """One repair attempt's local text: candidate-boundary checks in old and new text."""
 
     def __init__(self, tok: FrozenTokenizer, T: bytearray, s: int, e: int, data: bytes, p: int, r: int,
-                 wtext: str, window: bytes, wmap: SpanMap, fnorm: np.ndarray) -> None:
+                 wtext: str, window: bytes, wmap: SpanMap, fnorm: np.ndarray,
+                 lookback: dict[str, tuple[int, int]]) -> None:
         self.tok, self.s, self.e, self.data, self.p, self.r = tok, s, e, data, p, r
         # NFC families: the window's normalizer-changed spans (window-local) and the fresh
         # tokens' starts in normalized window-local coordinates.
         self.wmap, self.fnorm = wmap, fnorm
-        self.window, self.ends_text, self.T = window, r == len(T), T
+        self.window, self.ends_text, self.T, self.lookback = window, r == len(T), T, lookback
         self._glue_sums: np.ndarray | None = None
         self.cps, offs = char_byte_offsets(wtext)
         offs += p
@@ -841,7 +859,7 @@ class _Context:
             g = glue_mask(tok.family_info, tok.classes, self.cps, ends_text=self.ends_text,
                           lead_clean=self._lead_whitespace_clean(),
                           tail_ok=tok.family_info.name == "deepseek" and self._ascii_run_tail_ok(),
-                          case=self._case_table())
+                          **self._o200k_context())
             self._glue_sums = np.concatenate(([0], np.cumsum(~g)))  # non-glued boundaries before j
         sums = self._glue_sums
         span = tok.max_token_bytes + 1  # bytes the glued stretch must cover on the cut's side
@@ -891,15 +909,45 @@ class _Context:
                 return True
             chunk *= 4
 
-    def _case_table(self) -> np.ndarray | None:
-        """o200k's word classes (probed once per tokenizer, ~0.2 s, then cached on disk)."""
+    def _o200k_context(self) -> dict:
+        """o200k: its word classes, and the last characters before the window outside its
+        upper-only and UP sets (the word rules look back to where a run of them starts)."""
         tok = self.tok
-        if tok.family_info.name != "o200k" or self.cps.max(initial=0) < 0x80:
-            return None
-        table = tok.derived.get("o200k_case")
-        if table is None:
-            table = tok.derived.setdefault("o200k_case", case_table(tok))
-        return table
+        if tok.family_info.name != "o200k":
+            return {}
+        case = case_table_of(tok)
+        up, up_only = tok.derived["o200k_up_masks"]
+        return {"case": case, "before_up_only": self._last_before_window(up_only, "o200k-up-only"),
+                "before_up": self._last_before_window(up, "o200k-up")}
+
+    def _last_before_window(self, inside: np.ndarray, key: str) -> int:
+        """Code point of the last character before the window start p that `inside` excludes, or -1.
+
+        A run can be the whole text (a DNA string): the session remembers how far back it has
+        looked, so a later op scans only the text added since (appends cost O(append))."""
+        T, p = self.T, self.p
+        floor, known = 0, -1
+        hit = self.lookback.get(key)
+        if hit is not None and hit[0] <= p:
+            floor, known = hit
+        i, chunk, found = p, 1024, None
+        while i > floor:
+            lo = max(floor, i - chunk)
+            while lo > floor and (T[lo] & 0xC0) == 0x80:
+                lo -= 1
+            seg = bytes(T[lo:i])
+            if seg.isascii():
+                cps = np.frombuffer(seg, dtype=np.uint8)
+            else:
+                cps = np.frombuffer(seg.decode("utf-8").encode("utf-32-le"), dtype="<u4")
+            out = np.flatnonzero(~inside[cps])
+            if len(out):
+                found = int(cps[out[-1]])
+                break
+            i, chunk = lo, chunk * 4
+        result = known if found is None else found
+        self.lookback[key] = (p, result)
+        return result
 
     def _ascii_run_tail_ok(self) -> bool:
         """Whether the ASCII letters at the old text's position r (the window's end) run on to a

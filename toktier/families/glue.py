@@ -41,8 +41,15 @@ LO = [Ll Lm Lo M], C a contraction suffix; `case_table` probes UP and LO):
     A word match holds such a pair as UP*->UP or ->LO; which alternative matched, and
     where its [LO] part ends, is decided by the same text after c, so every scan ends at
     the same place.  Marks after punctuation are punctuation (M is also in P below), so
-    a mark run is word-like only after a letter.  P->P for P = not L, N, W, M
-    (``\x20?P+[\r\n/]*``).
+    a mark run is word-like only after a letter.  An upper-only pair (``AB``) needs its
+    run of upper-only letters to start after a character outside UP: after Lo/Lm/M
+    letters (``ขขAB``) ``[UP]*`` backtracks to the last LO character when no lower-case
+    letter follows, so whether the word starts at ``ข`` or at ``A`` depends on later text.
+    Likewise a Lo/Lm/M character glues only if its UP run does not follow a lower-only
+    letter (after ``ß`` a mark is in the word's [LO] part; a scan starting at the mark
+    puts it in [UP]* and may run on through ``ǅǅaa``).
+    P->P for P = not L, N, W, M (``\x20?P+[\r\n/]*``), except from a slash that follows
+    line breaks (it is the match's suffix: ``=\n/`` ends before ``#``).
 DeepSeek (stage 3 on segments between digit triples and CJK/kana runs):
     P->P for ASCII punctuation and symbols (``\x20?[\p{P}\p{S}]+[\r\n]*``; the
     ``[ASCII punct][A-Za-z]+`` alternative holds one of them).  (L|M)->(L|M) outside K
@@ -65,6 +72,53 @@ from ..charclass import K, L, M, N, W
 
 _APOS = 0x27
 CASE_UP, CASE_LO = 1, 2  # `case_table` bits: o200k's [Lu Lt Lm Lo M] and [Ll Lm Lo M]
+
+
+def _o200k_words(cls: np.ndarray, cps: np.ndarray, case: np.ndarray, before_up_only: int,
+                 before_up: int) -> np.ndarray:
+    """o200k's glued word pairs (bool[n-1]); see the module docstring."""
+    n = len(cps)
+    cps = cps.astype(np.int64)
+    bits = case[cps]
+    up = (bits & CASE_UP) != 0
+    lo = (bits & CASE_LO) != 0
+    up_only, lo_only, both = up & ~lo, lo & ~up, up & lo
+    letter = (cls & L) != 0
+    mark = (cls & M) != 0
+    apos = cps == _APOS
+    idx = np.arange(n)
+
+    def last_before(mask: np.ndarray) -> np.ndarray:  # index of the last True at or before i, -1 if none
+        return np.maximum.accumulate(np.where(mask, idx, -1))
+
+    def apos_within3(at: np.ndarray) -> np.ndarray:  # an apostrophe 1-3 characters before `at`
+        out = np.zeros(len(at), dtype=bool)
+        for k in (1, 2, 3):
+            j = at - k
+            out |= (j < 0) | apos[np.maximum(j, 0)]
+        return out
+
+    # a mark continues a word only after a letter that ends no contraction suffix
+    lnm = last_before(~mark)
+    word_mark = mark & (lnm >= 0) & letter[np.maximum(lnm, 0)] & ~apos_within3(np.maximum(lnm, 0))
+    word = letter | word_mark
+    # upper-only pairs: the upper-only run must follow a character outside UP
+    k = last_before(~up_only)
+    first_up_only = np.where(k >= 0, cps[np.maximum(k, 0)], before_up_only)
+    upper_clean = (first_up_only < 0) | ~((case[np.maximum(first_up_only, 0)] & CASE_UP) != 0)
+    # UP-and-LO characters (Lo, Lm, marks): their UP run must follow a character that is not
+    # lower-only, else the word is in its [LO] part from an earlier start
+    k = last_before(~up)
+    first_up = np.where(k >= 0, cps[np.maximum(k, 0)], before_up)
+    fb = case[np.maximum(first_up, 0)]
+    both_clean = (first_up < 0) | ~(((fb & CASE_LO) != 0) & ((fb & CASE_UP) == 0))
+    x, y = slice(0, n - 1), slice(1, n)
+    ok = word[x] & (up | lo)[y] & ~(lo[x] & up_only[y])
+    ok &= ~(up_only[x] & up_only[y]) | upper_clean[x]
+    ok &= ~both[x] | both_clean[x]
+    guard = np.ones(n - 1, dtype=bool)
+    guard &= ~np.concatenate(([True], apos[: n - 2])) & ~np.concatenate(([True, True], apos[: max(n - 3, 0)]))[: n - 1]
+    return ok & guard
 
 
 def case_table(tok) -> np.ndarray:
@@ -120,7 +174,8 @@ def _ascii_punct(cps: np.ndarray) -> np.ndarray:
 
 
 def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: bool,
-              lead_clean: bool = False, tail_ok: bool = False, case: np.ndarray | None = None) -> np.ndarray:
+              lead_clean: bool = False, tail_ok: bool = False, case: np.ndarray | None = None,
+              before_up_only: int = -1, before_up: int = -1) -> np.ndarray:
     """bool[len(cps)]: True at i >= 1 when the boundary between cps[i-1] and cps[i] is glued.
 
     `cps` is a stretch of the text (a repair window); `ends_text` says whether it ends
@@ -129,7 +184,9 @@ def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: b
     only spaces and tabs from its start (see `whitespace_glue`); `tail_ok` whether an ASCII
     letter run reaching the stretch's last character ends, in the text, at a character
     that is neither L nor M, or at the text's end (DeepSeek); `case` o200k's word classes
-    (`case_table`; without it only ASCII letters glue there).
+    (`case_table`; without it no word pairs glue there); `before_up_only` / `before_up` the
+    code point of the last character before the stretch that is not upper-only / not in UP
+    (-1: none, the text starts there), for o200k runs reaching the stretch's start.
 
     >>> from toktier import load_tokenizer
     >>> tok = load_tokenizer("llama3")
@@ -152,32 +209,16 @@ def glue_mask(fam: Family, classes: np.ndarray, cps: np.ndarray, *, ends_text: b
         back3 = np.concatenate(([True, True], apos[:-3]))
         glued = (is_l[:-1] & is_l[1:] & ~back2[: n - 1] & ~back3[: n - 1]) | (is_p[:-1] & is_p[1:])
     elif name == "o200k":
-        apos = cps == _APOS
-        guard = ~np.concatenate(([True], apos[:-2])) & ~np.concatenate(([True, True], apos[:-3]))
-        if case is None:  # ASCII letters only: their case is fixed
-            up_only, lo = _ascii_letters(cps)
-            letter = up_only | lo
-            wordish = letter
-        else:
-            up_only = (case[cps] & (CASE_UP | CASE_LO)) == CASE_UP
-            lo = (case[cps] & CASE_LO) != 0
-            letter = (cls & L) != 0
-            mark = (cls & M) != 0
-            # a mark continues a word only after a letter (a run of marks after punctuation is
-            # punctuation), and not after a contraction suffix: the nearest non-mark before it
-            # is a letter, with no apostrophe in the three characters before that letter
-            idx = np.arange(n)
-            last_non_mark = np.maximum.accumulate(np.where(~mark, idx, -1))
-            lnm = np.maximum(last_non_mark, 0)
-            apos_near = np.zeros(n, dtype=bool)
-            for k in (1, 2, 3):
-                apos_near |= np.concatenate((np.ones(k, bool), apos[:-k]))[lnm] if n > k else True
-            word_mark = mark & (last_non_mark >= 0) & letter[lnm] & ~apos_near
-            wordish = letter | word_mark
-            letter = letter | mark  # what may follow inside a word
         is_p = (cls & (L | N | W | M)) == 0
-        glued = ((wordish[:-1] & letter[1:] & ~(lo[:-1] & up_only[1:]) & guard[: n - 1])
-                 | (is_p[:-1] & is_p[1:]))
+        # ``[\r\n/]*`` ends a punctuation match: a slash after line breaks (``=\n/#``) ends it
+        slash = cps == 0x2F
+        idx = np.arange(n)
+        k = np.maximum.accumulate(np.where(~slash, idx, -1))
+        before = cps[np.maximum(k, 0)]
+        suffix_slash = slash & ((k < 0) | (before == 0x0A) | (before == 0x0D))
+        glued = is_p[:-1] & is_p[1:] & ~suffix_slash[:-1]
+        if case is not None:
+            glued |= _o200k_words(cls, cps, case, before_up_only, before_up)
     elif name == "deepseek":
         upper, lower = _ascii_letters(cps)
         ascii_letter = upper | lower
