@@ -375,6 +375,11 @@ class Session:
 
     def _full(self, new_text: bytes, nchars: int, reason: str) -> OpResult:
         tok = self.tokenizer
+        if len(new_text) >= 1 << 16 and self._spliceable:
+            # once per tokenizer, inside this slower op: a long piece's first cut should not pay for it
+            digit_table_of(tok)
+            if tok.family_info.name == "o200k":
+                case_table_of(tok)
         ids = self.full_path.encode(tok, new_text.decode("utf-8"))  # GPU or parallel chunks when large
         old = self._ids.view()
         m = min(len(old), len(ids))
@@ -706,6 +711,14 @@ class Session:
         return OpResult(self._ids.view(), first_changed, path, widenings)
 
 
+def digit_table_of(tok: FrozenTokenizer) -> np.ndarray | None:
+    """Whole-digit-piece tokens of `tok` (``families/glue.py``), built once per tokenizer."""
+    table = tok.derived.get("digit_piece_tokens", False)
+    if table is False:
+        table = tok.derived.setdefault("digit_piece_tokens", digit_piece_tokens(tok.family_info, tok.token_bytes))
+    return table
+
+
 def case_table_of(tok: FrozenTokenizer) -> np.ndarray:
     """o200k's word classes for `tok`, probed once per tokenizer (~0.2 s, then cached on disk)."""
     table = tok.derived.get("o200k_case")
@@ -966,10 +979,7 @@ class _Context:
     def digit_cuts(self, cand: np.ndarray, pieces: np.ndarray) -> np.ndarray:
         """The candidates whose `pieces` token (the token ending or starting there, agreeing in
         old and new text) is a whole digit-triple piece: a piece boundary in every scan."""
-        table = self.tok.derived.get("digit_piece_tokens", False)
-        if table is False:
-            table = self.tok.derived.setdefault(
-                "digit_piece_tokens", digit_piece_tokens(self.tok.family_info, self.tok.token_bytes))
+        table = digit_table_of(self.tok)
         if table is None or not len(cand):
             return cand[:0]
         ok = table[pieces]
