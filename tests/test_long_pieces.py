@@ -300,3 +300,42 @@ def test_mutation_letters_after_a_contraction_is_caught():
         return out
 
     assert any(kind == "boundary" for kind, *_ in _glue_failures(tok, text, mutant))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_campaign_long_pieces(name, tally):
+    """Long-piece campaign (``--runslow``): piece-level glue proofs on many random texts (HF
+    engines, o200k's pattern in HF's engine) and long-piece sessions whose every op is checked."""
+    tok = get_tokenizer(name)
+    if name in HF_TOKENIZERS or name == "o200k_base":
+        oracle = _O200kPieces() if name == "o200k_base" else tok
+        positions = 0
+        for seed in range(150):
+            for text in _glue_texts(seed * 7919 + 17, n=10):
+                if tok.family_info.nfc:
+                    text = tok.engine.normalize(text)
+                assert not _glue_failures(oracle, text), (name, text)
+                case = glue_mod.case_table(tok) if name == "o200k_base" else None
+                positions += int(glue_mask(tok.family_info, tok.classes, _cps(text), ends_text=True,
+                                           lead_clean=True, case=case).sum())
+        tally(tok, "pieces-glue", positions)
+    rng = random.Random(f"campaign/{name}")
+    glued = 0
+    for round_ in range(6):
+        for shape, (make, more) in _run_shapes(rng).items():
+            text = make(3_000 + 500 * round_)
+            if tok.family_info is not None and tok.family_info.nfc:
+                text = tok.engine.normalize(text)
+            s = toktier.Session(tok, text)
+            for _ in range(20):
+                if rng.random() < 0.6:
+                    r = s.append(more(rng.randrange(1, 30)) if rng.random() < 0.8 else rng.choice(BREAKERS))
+                else:
+                    a = rng.randrange(0, s.num_chars + 1)
+                    r = s.edit(a, min(s.num_chars, a + rng.randrange(0, 3)),
+                               more(rng.randrange(0, 3)) if rng.random() < 0.7 else rng.choice(BREAKERS))
+                assert np.array_equal(r.ids, tok.encode(s.text)), (name, shape)
+            glued += s.stats.glued
+            tally(tok, "session", s.stats.ops)
+    tally(tok, "glued-splices", glued)

@@ -62,6 +62,10 @@ def first_byte_tries(literals: Iterable[bytes]) -> list[re.Pattern]:
     return [re.compile(_trie_regex(g), re.DOTALL) for g in groups.values()]
 
 
+#: ASCII whitespace other than the line breaks (\s in every engine's ASCII range).
+_SPACE_BEFORE = frozenset(b" \t\x0b\x0c\x1c\x1d\x1e\x1f")
+
+
 class LiteralIndex:
     """Finds every position that some added-token literal occurrence spans."""
 
@@ -78,16 +82,26 @@ class LiteralIndex:
         return any(trie.search(buf) is not None for trie in self._tries)
 
     def crossed(self, buf: bytes) -> np.ndarray:
-        """bool[len(buf)+1]: True at i when an occurrence [a, b) in `buf` has a < i < b."""
+        """bool[len(buf)+1]: True at i when no boundary may be certified at i because of a literal.
+
+        That is inside an occurrence [a, b) (a < i < b), and at an occurrence's start a when the
+        character before it may be whitespace other than a line break: the text before a
+        literal is pre-tokenized as if it ended there, so a space run's ``\s+(?!\S)`` keeps
+        its last character (``"\xa0\xa0<|endoftext|>"``), which a following ``<`` of plain
+        text would split off.  (Any non-ASCII character counts as possible whitespace here.)
+        """
         out = None  # most windows hold no literal: one search per first byte, nothing else
         for trie in self._tries:  # literals with different first bytes never share a start
             m = trie.search(buf)
             while m is not None:
                 a, b = m.span()
-                if b - a > 1:
+                lo = a + 1
+                if a > 0 and (buf[a - 1] in _SPACE_BEFORE or buf[a - 1] >= 0x80):
+                    lo = a
+                if b > lo:
                     if out is None:
                         out = np.zeros(len(buf) + 2, dtype=np.int32)
-                    out[a + 1] += 1
+                    out[lo] += 1
                     out[b] -= 1
                 m = trie.search(buf, a + 1)  # the next start, even inside this occurrence
         if out is None:

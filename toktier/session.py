@@ -209,6 +209,7 @@ class Session:
         new._starts = self._starts.copy()
         new._spliceable, new._why_not, new._tiles = self._spliceable, self._why_not, self._tiles
         new._set_dirty(list(self._dirty))
+        new._lookback = dict(self._lookback)
         new.fast_path = self.fast_path
         return new
 

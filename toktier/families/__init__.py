@@ -4,8 +4,9 @@ A family module (``cl100k.py``, ``qwen.py``, ``o200k.py``, ``deepseek.py``) hold
 the family's exact pre-tokenizer regex(es), its stable-boundary table (its module
 docstring), its class patterns, its family-specific predicate bits and its GPU rule
 id, and declares them in one `FamilySpec` (``SPEC``), as tiktoken_ext plugins
-return constructor kwargs.  What all families share (the predicate, rules A-F, the
-NFC condition, `Family`, `GpuRules`) is in ``base.py``; the registry and
+return constructor kwargs.  What all families share (the predicate over the derived
+stable-pair grids, the NFC condition, `Family`, `GpuRules`) is in ``base.py``; the derivation
+is ``derive.py``, cuts inside long pieces ``glue.py``; the registry and
 `detect_family` over it are here.
 
 A family is recognized from the exact pattern tuple, never from a name:
@@ -75,4 +76,5 @@ def detect_family(normalizer: str, split_patterns: tuple[str, ...], byte_level: 
     spec = FAMILIES[name]
     return Family(name=name, nfc=normalizer == "nfc", exclude_k_pairs=spec.exclude_k_pairs,
                   extra_patterns=tuple(sorted(spec.class_patterns.items())),
-                  slash_after_newline=spec.slash_after_newline), None
+                  slash_after_newline=spec.slash_after_newline, kinds=spec.kinds,
+                  stable_grid=spec.stable_grid), None
