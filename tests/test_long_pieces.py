@@ -339,3 +339,23 @@ def test_campaign_long_pieces(name, tally):
             glued += s.stats.glued
             tally(tok, "session", s.stats.ops)
     tally(tok, "glued-splices", glued)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_edits_inside_a_long_run_cost_the_run_not_the_text(name, tally):
+    """An edit inside a run changes every later token of the run: the window goes to the run's
+    end (O(run)), never to a full re-tokenization of the text around it."""
+    tok = get_tokenizer(name)
+    prose = "Plain words around the run, and some more of them. " * 400
+    rng = random.Random(name)
+    for run in ("a" * 30_000, "=" * 30_000, " " * 30_000, "7" * 30_000):
+        s = toktier.Session(tok, prose + "\n" + run + "\n" + prose)
+        start = len(prose) + 1
+        for _ in range(3):
+            before = s.stats.tokens_retokenized
+            a = start + rng.randrange(1_000, 29_000)
+            r = s.edit(a, a + 1, rng.choice(("x", "\n", "Z", " ")))
+            assert np.array_equal(r.ids, tok.encode(s.text)), (name, run[0])
+            assert r.path is not toktier.RepairPath.FULL, (name, run[0], r.reason)
+            assert s.stats.tokens_retokenized - before < len(r.ids) * 3 // 4, (name, run[0])
+            tally(tok, "session")

@@ -443,7 +443,15 @@ class Session:
         delta = lx - (e - s)
         nfc = tok.family_info.nfc
         wl = wr = self.window
-        for widenings in range(MAX_WIDENINGS + 1):
+        for widenings in range(MAX_WIDENINGS + 2):
+            if widenings > MAX_WIDENINGS:
+                # Last try: a side still failing is inside a long run of one kind of character
+                # (an edit inside 100K ``a``: every later token of the run changes); take the
+                # window to the run's end, O(run) rather than O(text).
+                grown = self._run_window(s, e, wl, wr, left.ok, right.ok)
+                if grown is None:
+                    break
+                wl, wr = grown
             p = max(0, s - wl)
             while p > 0 and (T[p] & 0xC0) == 0x80:
                 p -= 1
@@ -495,6 +503,20 @@ class Session:
             if not right.ok:
                 wr *= 2
         return f"no certified splice after {MAX_WIDENINGS} widenings"
+
+    def _run_window(self, s: int, e: int, wl: int, wr: int, left_ok: bool, right_ok: bool) -> tuple[int, int] | None:
+        """Window widths for one more try: each failing side's next doubling, or past the ASCII run
+        (letters, digits, whitespace, or one repeated byte) around it when that is wider; None
+        when the failing sides already reach the text's ends.  `wl`, `wr` are the doubled widths
+        (not tried yet)."""
+        T = self._text
+        if (left_ok or wl // 2 >= s) and (right_ok or wr // 2 >= len(T) - e):
+            return None
+        if not left_ok and s > 0:
+            wl = max(wl, s - _run_edge(T, s - 1, -1) + self.window)
+        if not right_ok and e < len(T):
+            wr = max(wr, _run_edge(T, e, 1) - e + self.window)
+        return wl, wr
 
     def _token_edges(self, p: int, r: int, s: int, e: int) -> tuple[int, int]:
         """p moved left to the start of the cached token holding it, r right to the next token start."""
@@ -729,6 +751,49 @@ def case_table_of(tok: FrozenTokenizer) -> np.ndarray:
         tok.derived.setdefault("o200k_up_masks", (up, up & ((table & CASE_LO) == 0)))
         table = tok.derived.setdefault("o200k_case", table)
     return table
+
+
+def _ascii_kind(b: int) -> bytes | None:
+    """The bytes of `b`'s run kind: ASCII letters, digits, ASCII whitespace, else `b` itself;
+    None for a non-ASCII byte."""
+    if b >= 0x80:
+        return None
+    if 0x41 <= b <= 0x5A or 0x61 <= b <= 0x7A:
+        return bytes(range(0x41, 0x5B)) + bytes(range(0x61, 0x7B))
+    if 0x30 <= b <= 0x39:
+        return bytes(range(0x30, 0x3A))
+    if b in b" \t\r\n\x0b\x0c":  # a whitespace run's pieces depend on its line breaks: one kind
+        return b" \t\r\n\x0b\x0c"
+    return bytes([b])
+
+
+def _run_edge(text: bytearray, i: int, step: int) -> int:
+    """From byte i, the end (step 1: first byte after) or start (step -1: first byte of) of the
+    run of i's ASCII kind (`_ascii_kind`); i itself when it is not ASCII."""
+    kind = _ascii_kind(text[i])
+    if kind is None:
+        return i if step < 0 else i
+    member = np.zeros(256, dtype=bool)
+    member[np.frombuffer(kind, dtype=np.uint8)] = True
+    n, chunk = len(text), 4096
+    if step > 0:
+        j = i
+        while j < n:
+            seg = np.frombuffer(bytes(text[j : j + chunk]), dtype=np.uint8)
+            out = np.flatnonzero(~member[seg])
+            if len(out):
+                return j + int(out[0])
+            j, chunk = j + len(seg), chunk * 4
+        return n
+    j = i + 1
+    while j > 0:
+        lo = max(0, j - chunk)
+        seg = np.frombuffer(bytes(text[lo:j]), dtype=np.uint8)
+        out = np.flatnonzero(~member[seg])
+        if len(out):
+            return lo + int(out[-1]) + 1
+        j, chunk = lo, chunk * 4
+    return 0
 
 
 def _char_at(text: bytearray, i: int) -> int:
