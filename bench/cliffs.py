@@ -1,6 +1,7 @@
 """Cliff catalogue: ordinary agent content shapes vs prose, op latency as a ratio in one run.
 
     python -m bench.cliffs [--sizes 200000,1000000] [--tokenizers llama3,qwen3,o200k_base,...] [--ops 20] [--warm]
+                           [--appends-only]
 
 For each tokenizer, shape and context size: a session starts on ``size`` characters of the
 shape, then ``--ops`` ops (three quarters small appends of the same shape, one quarter
@@ -262,14 +263,14 @@ def warm_up(tok: toktier.FrozenTokenizer) -> None:
 
 
 def run(tok_name: str, shape: str, size: int, n_ops: int, seed: int,
-        tok: toktier.FrozenTokenizer | None = None) -> dict:
+        tok: toktier.FrozenTokenizer | None = None, appends_only: bool = False) -> dict:
     tok = tok or toktier.load_tokenizer(tok_name)
     rng = random.Random(f"{seed}/{shape}/{size}")
     make = SHAPES[shape]
     s = toktier.Session(tok, make(rng, size))
     times = []
     for k in range(n_ops):
-        if k % 4 != 3:
+        if appends_only or k % 4 != 3:
             piece = APPENDS.get(shape, make)(rng, 40)
             t0 = time.perf_counter()
             r = s.append(piece)
@@ -294,6 +295,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ops", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--appends-only", action="store_true",
+                    help="every op an append (the single-piece goal: append P99 at 1M characters)")
     ap.add_argument("--warm", action="store_true",
                     help="load each tokenizer once and warm it up (untimed) before its rows; without it "
                          "every row loads its own, so a lazily built table lands in that row's first op")
@@ -308,7 +311,7 @@ def main() -> int:
             prose = None
             for shape in args.shapes.split(","):
                 try:
-                    r = run(name, shape, size, args.ops, args.seed, tok)
+                    r = run(name, shape, size, args.ops, args.seed, tok, args.appends_only)
                 except toktier.ReferenceEngineError as exc:  # the reference itself cannot encode it
                     print(f"{name:<12} {shape:<22} {size:>9,}  reference engine failed: {exc}", flush=True)
                     continue

@@ -232,7 +232,7 @@ def _widened(monkeypatch, extra):
     def mutant(fam, classes, cps, **kw):
         return original(fam, classes, cps, **kw) | extra(fam, classes, cps)
 
-    monkeypatch.setattr("toktier.session.glue_mask", mutant)
+    monkeypatch.setattr("toktier.repair_window.glue_mask", mutant)
 
 
 def test_mutation_whitespace_without_the_line_break_rule_is_caught():
@@ -277,7 +277,7 @@ def test_mutation_any_token_as_a_digit_cut_is_caught(monkeypatch):
     cases = [("x==" + "\u0e34" * 300, [("append", "ก")]), ("12" + "3456789" * 300, [("edit", 1, 1, "9")])]
     assert not _caught(tok, cases)
     tok.derived.pop("digit_piece_tokens", None)
-    monkeypatch.setattr("toktier.session.digit_piece_tokens",
+    monkeypatch.setattr("toktier.repair_window.digit_piece_tokens",
                         lambda fam, token_bytes: np.ones(len(token_bytes), dtype=bool))
     try:
         assert _caught(tok, cases)
