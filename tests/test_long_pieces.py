@@ -346,7 +346,7 @@ def test_edits_inside_a_long_run_cost_the_run_not_the_text(name, tally):
     """An edit inside a run changes every later token of the run: the window goes to the run's
     end (O(run)), never to a full re-tokenization of the text around it."""
     tok = get_tokenizer(name)
-    prose = "Plain words around the run, and some more of them. " * 400
+    prose = "Plain words around the run, and some more of them. " * 1_500  # the text: ~5x the run
     rng = random.Random(name)
     for run in ("a" * 30_000, "=" * 30_000, " " * 30_000, "7" * 30_000):
         s = toktier.Session(tok, prose + "\n" + run + "\n" + prose)
@@ -357,5 +357,6 @@ def test_edits_inside_a_long_run_cost_the_run_not_the_text(name, tally):
             r = s.edit(a, a + 1, rng.choice(("x", "\n", "Z", " ")))
             assert np.array_equal(r.ids, tok.encode(s.text)), (name, run[0])
             assert r.path is not toktier.RepairPath.FULL, (name, run[0], r.reason)
-            assert s.stats.tokens_retokenized - before < len(r.ids) * 3 // 4, (name, run[0])
+            # every attempt's window counted (widenings included): still well under the whole text
+            assert s.stats.tokens_retokenized - before < len(r.ids) // 2, (name, run[0])
             tally(tok, "session")

@@ -165,21 +165,29 @@ class WindowContext:
         return cand[ok]
 
     def _lead_whitespace_clean(self) -> bool:
-        """Whether the text before the window ends in spaces/tabs back to a non-space or the start."""
+        """Whether the text before the window ends in spaces/tabs back to a non-space or the start.
+
+        Remembered per session like the o200k look-backs: appends to a long space run scan only
+        the bytes added since the last op."""
         T, p = self.T, self.p
-        chunk = 256
-        while True:
-            lo = max(0, p - chunk)
-            seg = np.frombuffer(bytes(T[lo:p]), dtype=np.uint8)
+        floor, known = 0, True
+        hit = self.lookback.get("spaces")
+        if hit is not None and hit[0] <= p:
+            floor, known = hit[0], bool(hit[1])
+        result, i, chunk = known, p, 256
+        while i > floor:
+            lo = max(floor, i - chunk)
+            seg = np.frombuffer(bytes(T[lo:i]), dtype=np.uint8)
             other = np.flatnonzero((seg != 0x20) & (seg != 0x09))
             if len(other):
-                i = lo + int(other[-1])
-                while i > 0 and (T[i] & 0xC0) == 0x80:
-                    i -= 1
-                return not (self.tok.classes[char_at(T, i)] & W)
-            if lo == 0:
-                return True
-            chunk *= 4
+                j = lo + int(other[-1])
+                while j > 0 and (T[j] & 0xC0) == 0x80:
+                    j -= 1
+                result = not (self.tok.classes[char_at(T, j)] & W)
+                break
+            i, chunk = lo, chunk * 4
+        self.lookback["spaces"] = (p, int(result))
+        return result
 
     def _o200k_context(self) -> dict:
         """o200k: its word classes, and the last characters before the window outside its

@@ -442,6 +442,10 @@ class Session:
         delta = lx - (e - s)
         nfc = tok.family_info.nfc
         wl = wr = self.window
+        if s >= 2 * wl and T[s - 1] < 0x80 and bytes(T[s - wl : s]).count(T[s - 1]) == wl:
+            # the change follows a run of one byte: a cut inside it needs agreeing tokens over a
+            # stretch longer than the longest token, which one window of the run rarely holds
+            wl *= 2
         for widenings in range(MAX_WIDENINGS + 2):
             if widenings > MAX_WIDENINGS:
                 # Last try: a side still failing is inside a long run of one kind of character
