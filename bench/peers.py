@@ -1,0 +1,395 @@
+"""Append latency against every peer on its fastest array path (issue 14, part 1).
+
+Workload (one process, one run; every engine is timed on the same texts, interleaved call by
+call, so the ratios are same-run ratios even on a noisy machine):
+
+* context: ``<|start_header_id|>user<|end_header_id|>\\n\\n`` + ``large_text(N, kind="code")`` +
+  ``<|eot_id|>`` (Llama 3 chat format around Python source), N in ``--sizes`` characters;
+* ``chat-1.4K``: ``--appends`` appends, each one turn ``<|start_header_id|>{assistant|user}
+  <|end_header_id|>\\n\\n`` + ~1.4K characters of code + ``<|eot_id|>`` (1,400 characters in all);
+* ``plain-256`` / ``plain-1.4K`` / ``plain-16K``: the same number of appends of raw English text
+  (``large_text(n, kind="english")``, no template) of 256, 1,400 and 16,000 characters.
+
+Each (size, workload) starts fresh: every engine first sees the context untimed (our session is
+built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
+session), then the appends.  What each timing includes (``time.perf_counter`` around):
+
+* ``toktier``: ``Session.append(delta)``; its result's ``ids`` is a uint32 view of the session
+  buffer (no copy, no list).
+* ``fastokens`` 0.3.5 (constructed with ``FASTOKENS_INPUT_CACHE=8``; the constructor reads it):
+  ``encode_batch_flat([whole_text])`` + ``np.frombuffer(ids, uint32)``.
+* ``gigatoken`` 0.10.0 (one warm object): ``encode(whole_text)``, which returns a uint32 ndarray.
+* ``tiktoken`` (o200k_base rows only): ``encode_to_numpy(whole_text, allowed_special="all")``.
+* ``hf`` (the reference, llama3): ``encode(whole_text, add_special_tokens=False).ids`` converted
+  once with ``np.asarray(..., uint32)``: the Python list is its only output.  Timed on every 8th
+  call only (the checked calls), so its P50 is over those.
+* ``tt03-api`` (PyPI ``toktier`` 0.3.0 in its own venv and process,
+  ``bench/peer_worker_toktier03.py``): ``Tokenizer.encode(whole_text, session=sid)`` timed inside
+  the worker (its ``Encoding`` and ids tuple included; pipe excluded).  ``rt`` columns are the
+  round trip seen from here: sending the whole text over the pipe, the call, the reply.
+* ``tt03-core``: its Rust core directly (``SessionStore.append(handle, delta, ...)``, see the
+  worker's docstring: a route its admission refuses for our file), timed inside the worker; the
+  reply carries the whole stream as bytes.  ``rt`` as above (only the delta is sent).
+
+Concatenating the whole text for the stateless peers happens before their timer starts.  Every
+8th call (i % 8 == 0) each engine's ids are compared with the reference (HF ``tokenizers`` for
+llama3, tiktoken for o200k_base); a mismatch is printed and counted, never hidden.  "TokTier lead"
+is the faster of fastokens/gigatoken's P50 divided by ours (> 1: we are faster).
+
+Session starts (``--starts``, default 1M and 4M): ``Session(tok, context)`` (our full path: parallel
+chunks on this machine's cores), ``toktier.fullpath.encode_full`` alone, fastokens' first
+``encode_batch_flat`` on a fresh object (construction untimed, cache empty), gigatoken's first
+``encode`` on a fresh object, and the peer's first ``encode(text, session=...)``/core ``put``.
+
+    python -m bench.peers --quick            # 30K, 100K, 1M; 10 appends
+    python -m bench.peers                    # 30K ... 4M; 25 appends
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from toktier import Session, load_tokenizer
+from toktier.fullpath import encode_full
+from toktier.tools.corpus import large_text
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_PY = ROOT / ".venv-peer" / "bin" / "python"
+WORKER = ROOT / "bench" / "peer_worker_toktier03.py"
+U32 = np.uint32
+HDR = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+EOT = "<|eot_id|>"
+
+
+# -- workload -------------------------------------------------------------------------------
+def context_text(n: int) -> str:
+    return HDR.format(role="user") + large_text(n, seed=7, kind="code") + EOT
+
+
+def deltas(workload: str, count: int) -> list[str]:
+    out = []
+    for i in range(count):
+        if workload == "chat-1.4K":
+            role = "assistant" if i % 2 == 0 else "user"
+            head = HDR.format(role=role)
+            body = large_text(1400 - len(head) - len(EOT), seed=1000 + i, kind="code")
+            out.append(head + body + EOT)
+        else:
+            n = {"plain-256": 256, "plain-1.4K": 1400, "plain-16K": 16000}[workload]
+            out.append(large_text(n, seed=2000 + i, kind="english"))
+    return out
+
+
+# -- the peer process ---------------------------------------------------------------------------
+class PeerProc:
+    def __init__(self, tokenizer_json: str) -> None:
+        home = tempfile.mkdtemp(prefix="toktier03-home-")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(TOKTIER_HOME=home, TOKTIER_OFFLINE="1", HF_HUB_OFFLINE="1")
+        self.p = subprocess.Popen([str(PEER_PY), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=env, cwd=tempfile.gettempdir())
+        self.info = self.call({"op": "init", "tokenizer_json": tokenizer_json, "home": home})[0]["info"]
+
+    def call(self, req: dict, payload: str = "") -> tuple[dict, np.ndarray | None, float]:
+        data = payload.encode("utf-8")
+        req = dict(req, nbytes=len(data))
+        t0 = time.perf_counter()
+        self.p.stdin.write(json.dumps(req).encode() + b"\n")
+        if data:
+            self.p.stdin.write(data)
+        self.p.stdin.flush()
+        rep = json.loads(self.p.stdout.readline())
+        raw = self.p.stdout.read(rep["nbytes"]) if rep["nbytes"] else b""
+        rt = time.perf_counter() - t0
+        if not rep.get("ok"):
+            raise RuntimeError(f"peer worker: {rep.get('error')}\n{rep.get('trace', '')}")
+        return rep, (np.frombuffer(raw, dtype=U32) if raw else None), rt
+
+    def close(self) -> None:
+        try:
+            self.call({"op": "quit"})
+        except Exception:
+            pass
+        self.p.wait(timeout=30)
+
+
+# -- engines ------------------------------------------------------------------------------------
+def fastokens_factory(tok, cache: str | None = "8"):
+    from bench.baselines.full import _fastokens_tokenizer
+
+    def make():
+        t = _fastokens_tokenizer(tok, input_cache=cache)
+
+        def enc(text: str) -> np.ndarray:
+            flat, _off = t.encode_batch_flat([text])
+            return np.frombuffer(flat, dtype=U32)
+        return enc
+    return make
+
+
+def gigatoken_factory(tok):
+    from bench.baselines.full import _gigatoken
+
+    build = _gigatoken(tok)
+
+    def make():
+        t = build()
+        return t.encode  # uint32 ndarray
+    return make
+
+
+def tiktoken_encoder(tok):
+    from bench.baselines.full import TiktokenFull
+
+    e = TiktokenFull(tok)._enc
+    return lambda text: e.encode_to_numpy(text, allowed_special="all")
+
+
+def hf_encoder(tok):
+    t = tok.engine._tok
+    return lambda text: np.asarray(t.encode(text, add_special_tokens=False).ids, dtype=U32)
+
+
+def p50(xs) -> float:
+    return float(np.median(xs)) * 1e3 if xs else float("nan")
+
+
+# -- one (tokenizer, size, workload) ------------------------------------------------------------
+def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_api_appends, log):
+    ctx = context_text(size)
+    ds = deltas(workload, n_appends)
+    times: dict[str, list[float]] = {}
+    rts: dict[str, list[float]] = {}
+    paths: dict[str, dict[str, int]] = {}
+    bad: dict[str, int] = {}
+    # seeding (untimed)
+    s = Session(tok, ctx)
+    encs = {k: f() for k, f in stateless.items()}
+    for e in encs.values():
+        e(ctx)
+    sid = None
+    if peer is not None:
+        peer.call({"op": "core_start"}, ctx)
+        sid = f"{name}-{size}-{workload}"
+        peer.call({"op": "api_encode", "session": sid}, ctx)
+    text = ctx
+    for i, d in enumerate(ds):
+        text = text + d
+        check = i % 8 == 0
+        want = {}
+        t0 = time.perf_counter()
+        r = s.append(d)
+        times.setdefault("toktier", []).append(time.perf_counter() - t0)
+        want["toktier"] = r.ids
+        paths.setdefault("toktier", {}).setdefault(str(r.path), 0)
+        paths["toktier"][str(r.path)] += 1
+        for k, e in encs.items():
+            t0 = time.perf_counter()
+            ids = e(text)
+            times.setdefault(k, []).append(time.perf_counter() - t0)
+            want[k] = ids
+        if peer is not None:
+            rep, ids, rt = peer.call({"op": "core_append", "want_ids": check}, d)
+            times.setdefault("tt03-core", []).append(rep["t_inner_s"])
+            rts.setdefault("tt03-core", []).append(rt)
+            paths.setdefault("tt03-core", {}).setdefault(rep["path"], 0)
+            paths["tt03-core"][rep["path"]] += 1
+            if check:
+                want["tt03-core"] = ids
+            if i < peer_api_appends:
+                rep, ids, rt = peer.call({"op": "api_encode", "session": sid, "want_ids": check}, text)
+                times.setdefault("tt03-api", []).append(rep["t_inner_s"])
+                rts.setdefault("tt03-api", []).append(rt)
+                if check:
+                    want["tt03-api"] = ids
+                    key = f"{rep.get('backend')}/{rep.get('path')}"
+                    paths.setdefault("tt03-api", {}).setdefault(key, 0)
+                    paths["tt03-api"][key] += 1
+        if check:
+            t0 = time.perf_counter()
+            rids = ref(text)
+            times.setdefault("ref", []).append(time.perf_counter() - t0)
+            for k, ids in want.items():
+                if ids is None or not np.array_equal(np.asarray(ids), rids):
+                    bad[k] = bad.get(k, 0) + 1
+                    log(f"  MISMATCH {name} {size} {workload} call {i}: {k} "
+                        f"({None if ids is None else len(ids)} ids vs {len(rids)})")
+    return {k: p50(v) for k, v in times.items()}, {k: p50(v) for k, v in rts.items()}, \
+        {k: len(v) for k, v in times.items()}, paths, bad
+
+
+def session_starts(tok, size, stateless, peer, reps=3):
+    """Median of ``reps`` session starts, each on a *different* context text (seeds 11, 12, ...), so
+    no whole-input cache can answer.  Stateless peers use one warm object (built and used on an
+    unrelated text before, construction untimed), as a server would; a new session's text is new
+    to it.  The peer's rows are timed inside its process."""
+    ctxs = [HDR.format(role="user") + large_text(size, seed=11 + j, kind="code") + EOT for j in range(reps)]
+    refs = [tok.encode(c) for c in ctxs]
+    warm_text = large_text(50_000, seed=99, kind="english")
+    out: dict[str, float] = {}
+    exact: dict[str, bool] = {}
+
+    def run(label, fn):
+        ts, ok = [], True
+        for c, r in zip(ctxs, refs):
+            t0 = time.perf_counter()
+            ids = fn(c)
+            ts.append(time.perf_counter() - t0)
+            ok &= ids is not None and bool(np.array_equal(np.asarray(ids), r))
+        out[label], exact[label] = p50(ts), ok
+
+    run("toktier Session(tok, ctx) (full path)", lambda c: Session(tok, c).ids)
+    run("toktier encode_full", lambda c: encode_full(tok, c))
+    for k, f in stateless.items():
+        def fresh(c, f=f):
+            # untimed here: a fresh object, its lazy set-up done on an unrelated text
+            e = f()
+            e(warm_text)
+            return e
+        ts, ok = [], True
+        for c, r in zip(ctxs, refs):
+            e = fresh(c)
+            t0 = time.perf_counter()
+            ids = e(c)
+            ts.append(time.perf_counter() - t0)
+            ok &= bool(np.array_equal(ids, r))
+        out[f"{k} (fresh object warmed on other text)"] = p50(ts)
+        exact[f"{k} (fresh object warmed on other text)"] = ok
+        e = f()
+        e(warm_text)
+        run(f"{k} (one warm object across the 3 texts)", e)
+    if peer is not None:
+        tr: list[float] = []
+
+        def core(c):
+            rep, ids, rt = peer.call({"op": "core_start", "want_ids": True}, c)
+            tr.append(rep["t_inner_s"])
+            return ids
+        run("tt03-core put (round trip)", core)
+        out["tt03-core put (inner)"], exact["tt03-core put (inner)"] = p50(tr), exact["tt03-core put (round trip)"]
+        ta: list[float] = []
+
+        def api(c):
+            rep, ids, rt = peer.call({"op": "api_encode", "session": f"start-{size}-{len(ta)}-{time.time()}",
+                                      "want_ids": True}, c)
+            ta.append(rep["t_inner_s"])
+            return ids
+        run("tt03-api encode(session=new) (round trip)", api)
+        out["tt03-api encode(session=new) (inner)"] = p50(ta)
+        exact["tt03-api encode(session=new) (inner)"] = exact["tt03-api encode(session=new) (round trip)"]
+    return out, exact
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="30000,100000,300000,1000000,2000000,4000000")
+    ap.add_argument("--appends", type=int, default=25)
+    ap.add_argument("--quick", action="store_true", help="30K,100K,1M; 10 appends")
+    ap.add_argument("--workloads", default="chat-1.4K,plain-256,plain-1.4K,plain-16K")
+    ap.add_argument("--o200k-sizes", default="100000,1000000",
+                    help="sizes of the o200k_base rows (chat-1.4K only); empty to skip")
+    ap.add_argument("--starts", default="1000000,4000000", help="session-start sizes; empty to skip")
+    ap.add_argument("--no-peer", action="store_true", help="skip toktier 0.3.0")
+    ap.add_argument("--peer-api-appends", type=int, default=25,
+                    help="calls of the 0.3.0 public API lane per cell (it re-encodes in full: slow)")
+    ap.add_argument("--peer-api-appends-large", type=int, default=9,
+                    help="the same for contexts of 1M characters and more")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.appends = "30000,100000,1000000", 10
+        args.o200k_sizes, args.starts = "100000", "1000000"
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    workloads = args.workloads.split(",")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    print(f"## peers — {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; P50 ms per append, {args.appends} appends; "
+          f"one run, engines interleaved call by call")
+    tok = load_tokenizer("llama3")
+    tjson = getattr(tok.engine, "path")
+    peer = None
+    if not args.no_peer and PEER_PY.exists():
+        try:
+            peer = PeerProc(tjson)
+            print("\ntoktier 0.3.0 worker: " + json.dumps(peer.info, default=str))
+        except Exception as exc:
+            print(f"\ntoktier 0.3.0 could not start: {type(exc).__name__}: {exc}")
+            peer = None
+    stateless = {"fastokens": fastokens_factory(tok), "gigatoken": gigatoken_factory(tok)}
+    ref = hf_encoder(tok)
+    all_paths = []
+    mism = 0
+    print("\n| tokenizer | context | workload | TokTier | fastokens | gigatoken | TokTier lead | HF ref "
+          "| tt03-api inner (rt) | tt03-core inner (rt) | lead vs tt03-core inner | checks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        for w in workloads:
+            api_n = args.peer_api_appends if size < 1_000_000 else args.peer_api_appends_large
+            t, rt, n, paths, bad = run_cell(tok, "llama3", size, w, args.appends, stateless, ref, peer,
+                                            min(api_n, args.appends), log)
+            mism += sum(bad.values())
+            best = min(t["fastokens"], t["gigatoken"])
+            lead = best / t["toktier"]
+            api = f"{t['tt03-api']:.2f} ({rt['tt03-api']:.2f}) n={n['tt03-api']}" if "tt03-api" in t else "-"
+            core = f"{t['tt03-core']:.3f} ({rt['tt03-core']:.3f})" if "tt03-core" in t else "-"
+            vcore = f"{t['tt03-core'] / t['toktier']:.2f}x" if "tt03-core" in t else "-"
+            chk = "all equal" if not bad else "MISMATCH " + ",".join(f"{k}:{v}" for k, v in bad.items())
+            print(f"| llama3 | {size:,} | {w} | {t['toktier']:.3f} | {t['fastokens']:.3f} | {t['gigatoken']:.3f} "
+                  f"| **{lead:.2f}x** | {t['ref']:.1f} (n={n['ref']}) | {api} | {core} | {vcore} | {chk} |", flush=True)
+            all_paths.append((f"llama3 {size} {w}", paths))
+    if args.o200k_sizes:
+        otok = load_tokenizer("o200k_base")
+        ost = {"fastokens": fastokens_factory(otok), "gigatoken": gigatoken_factory(otok),
+               "tiktoken": (lambda e=tiktoken_encoder(otok): e)}
+        oref = otok.encode
+        print("\n| tokenizer | context | workload | TokTier | fastokens | gigatoken | tiktoken `encode_to_numpy` "
+              "| TokTier lead (vs faster of fastokens/gigatoken) | lead vs tiktoken | checks |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for size in [int(x) for x in args.o200k_sizes.split(",") if x]:
+            t, rt, n, paths, bad = run_cell(otok, "o200k_base", size, "chat-1.4K", args.appends, ost, oref, None,
+                                            0, log)
+            mism += sum(bad.values())
+            best = min(t["fastokens"], t["gigatoken"])
+            chk = "all equal" if not bad else "MISMATCH " + ",".join(f"{k}:{v}" for k, v in bad.items())
+            print(f"| o200k_base | {size:,} | chat-1.4K (headers are plain text here) | {t['toktier']:.3f} "
+                  f"| {t['fastokens']:.3f} | {t['gigatoken']:.3f} | {t['tiktoken']:.3f} | **{best / t['toktier']:.2f}x** "
+                  f"| {t['tiktoken'] / t['toktier']:.2f}x | {chk} |", flush=True)
+            all_paths.append((f"o200k_base {size}", paths))
+    starts = [int(x) for x in args.starts.split(",") if x]
+    if starts:
+        print("\n| session start (llama3, chat context) | engine | ms (median of 3) | exact | vs fastokens |")
+        print("|---|---|---|---|---|")
+        for size in starts:
+            out, exact = session_starts(tok, size, stateless, peer)
+            f = out["fastokens (fresh object warmed on other text)"]
+            for k, v in out.items():
+                print(f"| {size:,} | {k} | {v:.1f} | {exact[k]} | {f / v:.2f}x |", flush=True)
+    print("\nroutes (counts per cell; TokTier RepairPath, 0.3.0 core path, 0.3.0 API backend/path on checked calls):")
+    for cell, paths in all_paths:
+        print(f"- {cell}: " + "; ".join(f"{k}: {v}" for k, v in paths.items()))
+    if peer is not None:
+        rep, _, _ = peer.call({"op": "explain"})
+        ex = rep["explain"]
+        keep = {k: ex.get(k) for k in ("routing_policy", "backend", "planned_backend", "fallback_chain",
+                                       "plan_reasons", "certification", "session_repair", "store", "state_encode")}
+        print("\ntoktier 0.3.0 explain() (selected keys): " + json.dumps(keep, default=str))
+        print("toktier 0.3.0 core stats: " + json.dumps(rep["core_stats"], default=str))
+        peer.close()
+    print(f"\nmismatches: {mism}")
+    return 0 if mism == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
