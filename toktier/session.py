@@ -650,7 +650,7 @@ class Session:
                 inside = (run > ctx.p) & (run < ctx.s)
                 cand = run[inside]
                 if glued:  # the token before a digit cut is a whole triple
-                    good = np.union1d(ctx.glued_positions(cand, left=True),
+                    good = _sorted_union(ctx.glued_positions(cand, left=True),
                                       ctx.digit_cuts(cand, c_ids[c0 : c0 + length - 1][inside]))
                 else:
                     good = ctx.stable_positions(cand, old_too=True)
@@ -681,7 +681,7 @@ class Session:
                 inside = run > new_mid_end
                 cand = run[inside]
                 if glued:  # the token at a digit cut is a whole triple
-                    good = np.union1d(ctx.glued_positions(cand, left=False),
+                    good = _sorted_union(ctx.glued_positions(cand, left=False),
                                       ctx.digit_cuts(cand, c_ids[c0 + 1 : c0 + length][inside]))
                 else:
                     good = ctx.stable_positions(cand, old_too=True, delta=delta)
@@ -735,6 +735,17 @@ class Session:
         else:
             self.stats.first_window += 1
         return OpResult(self._ids.view(), first_changed, path, widenings)
+
+
+def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted, duplicate-free union of two sorted arrays (``np.union1d`` imports ``numpy.ma``, ~10 ms
+    on first use, which would land in some session's op)."""
+    if not len(b):
+        return a
+    if not len(a):
+        return b
+    c = np.sort(np.concatenate((a, b)), kind="stable")
+    return c[np.concatenate(([True], c[1:] != c[:-1]))]
 
 
 def _byte_offset(text: bytearray, nchars: int, c: int, chunk: int = 1 << 16) -> int:
