@@ -39,15 +39,10 @@ def _time(fn, reps: int) -> list[float]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizers", default="cl100k_base,o200k_base,llama3,deepseek_v4")
-    ap.add_argument("--sizes", default="1000,100000,1000000,4000000")
-    ap.add_argument("--kind", default="mixed")
-    ap.add_argument("--bulk-requests", type=int, default=8)
-    ap.add_argument("--emulate", action="store_true", help="smoke-test on the CPU emulator (tests/gpu_emu.py)")
-    args = ap.parse_args()
-    if args.emulate:
+def driver_for(emulate: bool):
+    """The GPU driver (or, with `emulate`, the CPU emulator of tests/gpu_emu.py), announced; None
+    (and why, printed) when there is no GPU backend."""
+    if emulate:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from gpu_emu import emulated_driver
 
@@ -56,8 +51,22 @@ def main() -> int:
         drv = gpu_driver.available_driver()
     if drv is None:
         print(f"no GPU driver: {gpu_driver.unavailable_reason()}")
-        return 2
+        return None
     print(f"backend={drv.backend.name} cubin={drv.cubin}")
+    return drv
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizers", default="cl100k_base,o200k_base,llama3,deepseek_v4")
+    ap.add_argument("--sizes", default="1000,100000,1000000,4000000")
+    ap.add_argument("--kind", default="mixed")
+    ap.add_argument("--bulk-requests", type=int, default=8)
+    ap.add_argument("--emulate", action="store_true", help="smoke-test on the CPU emulator (tests/gpu_emu.py)")
+    args = ap.parse_args()
+    drv = driver_for(args.emulate)
+    if drv is None:
+        return 2
     sizes = [int(s) for s in args.sizes.split(",")]
     results = []
     hdr = f"{'tokenizer':<12} {'chars':>9} {'MB':>6} {'gpu ms':>9} {'p90 ms':>8} {'ref ms':>9} {'cpu-par ms':>10} " \

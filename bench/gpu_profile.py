@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import toktier  # noqa: E402
+from bench.gpu_bench import driver_for  # noqa: E402
 from toktier.gpu import driver as gpu_driver  # noqa: E402
 from toktier.tools.corpus import large_text  # noqa: E402
 
@@ -115,17 +116,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--emulate", action="store_true", help="smoke-test on the CPU emulator (tests/gpu_emu.py)")
     args = ap.parse_args()
-    if args.emulate:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from gpu_emu import emulated_driver
-
-        drv = emulated_driver()
-    else:
-        drv = gpu_driver.available_driver()
+    drv = driver_for(args.emulate)
     if drv is None:
-        print(f"no GPU driver: {gpu_driver.unavailable_reason()}")
         return 2
-    print(f"backend={drv.backend.name} cubin={drv.cubin}")
     rows = []
     for name in args.tokenizers.split(","):
         tok = toktier.load_tokenizer(name)

@@ -155,7 +155,8 @@ class WindowContext:
         ok &= sums[hi_c] - sums[lo_c] == 0
         if self.tok.literals and ok.any():
             lit = self.tok.literals
-            for i in np.flatnonzero(ok):
+            stretches = np.flatnonzero(ok) if lit.occurs(self.window) else ()  # usually none: one search
+            for i in stretches:
                 a = int(self.char_starts[max(lo_c[i] - 1, 0)]) - self.p
                 b = int(self.char_starts[hi_c[i]]) - self.p if hi_c[i] < n else len(self.window)
                 if lit.occurs(self.window[a:b]):
