@@ -48,6 +48,8 @@ while True:
             raise SystemExit("the installed sidecar did not come up within 60 s")
         time.sleep(0.2)
 tok = toktier.load_tokenizer("cl100k_base")
+# The wheel carries the compiled engine, and it certifies on this machine.
+assert tok.engine_label == "native", tok.native_reason
 s = client.session("install-check", tokenizer="cl100k_base")
 text = ""
 for piece in ["def pipe", "line(x):\n", "    return x  # 12345\n" * 40, "<|endoftext|> done"]:

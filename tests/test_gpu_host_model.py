@@ -237,7 +237,8 @@ def test_one_class_table_serves_predicate_and_gpu(name):
     tbl = tables.class_table(tok)
     want = L | N | M | W | (K if tok.family_info.exclude_k_pairs else 0) | (HOST_I if tok.family_info.nfc else 0)
     assert np.array_equal(host_view(tbl, want), tok.classes)
-    assert (tbl[ord("中")] & K) != 0 if tok.family_info.exclude_k_pairs else (tbl & K).max() == 0
+    if tok.family_info.exclude_k_pairs:  # (other families never read K; one engine's files share the table)
+        assert tbl[ord("中")] & K and not tbl[ord("a")] & K
 
 
 @pytest.mark.parametrize("name, rules", [("cl100k_base", GpuRules.CL100K_TT), ("o200k_base", GpuRules.O200K),

@@ -105,6 +105,9 @@ class _O200kPieces:
         self._tok = get_tokenizer("o200k_base")
         self._split = pre_tokenizers.Split(Regex(O200K), behavior="isolated")
         self.engine = self
+        # Class tables stay tiktoken's (probed by its engine, under its cache key), as in production.
+        self.class_key = self._tok.engine.class_key
+        self.probe_class = self._tok.engine.probe_class
 
     def __getattr__(self, name):
         return getattr(self._tok, name)

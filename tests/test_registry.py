@@ -159,12 +159,13 @@ def test_registry_keeps_versions_side_by_side_and_immutable(tmp_path):
     assert not a.token_len.flags.writeable and not a.classes.flags.writeable
 
 
-def test_class_table_is_cached_on_disk_by_hash(tmp_path, monkeypatch):
+def test_class_table_is_cached_on_disk_by_engine(tmp_path, monkeypatch):
+    # Keyed by what a probe depends on (engine, version, normalizer), so files of one engine share it.
     monkeypatch.setenv("TOKTIER_CACHE_DIR", str(tmp_path))
     from toktier.charclass import TABLE_VERSION, L, M, N, W, host_view
 
-    tok = toktier.load_tokenizer("cl100k_base")
-    cached = tmp_path / "classes" / f"{tok.hash}-{TABLE_VERSION}.npz"
+    tok = toktier.load_tokenizer("cl100k_base", engine="reference")
+    cached = tmp_path / "classes" / f"{tok.engine.class_key}-{TABLE_VERSION}.npz"
     assert cached.is_file() and [p.name for p in tmp_path.iterdir()] == ["classes"]
     with np.load(cached) as z:
         assert np.array_equal(host_view(z["table"], L | N | M | W), tok.classes)

@@ -4,10 +4,11 @@ Python's `unicodedata` is not the reference: its Unicode version differs from th
 one compiled into Oniguruma (HF `tokenizers`) or the Rust `regex` crate
 (tiktoken), and ~10K code points change class between versions.  So each class
 bit is computed by running the class regex through the engine itself over every
-code point, and the table is cached on disk keyed by the tokenizer hash.
+code point, and the table is cached on disk keyed by the engine (`class_key`: regex
+engine, version, normalizer; not the vocabulary, so files of one engine share it).
 
 One table per tokenizer, one probe (`probe_table`), one disk cache (`class_table`:
-``$TOKTIER_CACHE_DIR/classes/<tokenizer hash>-<TABLE_VERSION>.npz``).  The table is
+``$TOKTIER_CACHE_DIR/classes/<engine class_key>-<TABLE_VERSION>.npz``).  The table is
 ``uint32[0x110000]``, one word per code point; which pattern sets each bit is declared
 by the families (``families/``), the bit positions here:
 
@@ -175,7 +176,7 @@ def class_table(prober: _Prober, key: str, patterns: dict[int, str], *, folds: b
                 extra: dict[int, Callable[[], np.ndarray]] | None = None) -> np.ndarray:
     """The tokenizer's uint32 class table with (at least) the named bits, read-only.
 
-    Read from / written to the one disk cache, keyed by `key` (the tokenizer hash) and
+    Read from / written to the one disk cache, keyed by `key` (the engine's `class_key`) and
     `TABLE_VERSION`; bits missing from the cached table are probed and added to it.
     """
     want = _bits(patterns) | _bits(extra or {}) | (FOLD if folds else 0)

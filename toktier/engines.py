@@ -122,6 +122,12 @@ class HFEngine:
     def token_bytes(self) -> list[bytes]:
         return self.table.token_bytes
 
+    @property
+    def class_key(self) -> str:
+        """Disk-cache key of probed class tables: what a probe's answer depends on (the regex
+        engine's version, and the normalizer, which the NFC-inert bit reads), not the vocab."""
+        return f"{self.engine_name}-{self.version}-{self.facts.normalizer[:40]}".replace("/", "_")
+
     # -- reference encodes -------------------------------------------------
     @_reference_call
     def encode(self, text: str) -> np.ndarray:
@@ -261,6 +267,11 @@ class TiktokenEngine:
     @property
     def token_bytes(self) -> list[bytes]:
         return self.table.token_bytes
+
+    @property
+    def class_key(self) -> str:
+        """Disk-cache key of probed class tables (see `HFEngine.class_key`)."""
+        return f"{self.engine_name}-{self.version}"
 
     @_reference_call
     def encode(self, text: str) -> np.ndarray:

@@ -52,6 +52,8 @@ class FullPathConfig:
     #: cores: 20K chars 7.5 -> 5.1 ms, 40K 19.6 -> 10.3 ms, 160K 77 -> 35 ms against one encode).
     chunk_chars: int = 0
     min_parallel_chars: int = 16_384
+    #: The native engine encodes ~70 MB/s a core: parallel chunks pay off only for larger texts.
+    native_min_parallel_chars: int = 262_144
 
 
 class GpuEncoder(Protocol):
@@ -110,9 +112,17 @@ def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathC
 def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> tuple[np.ndarray, bool]:
     """(IDs, whether they were encoded in parallel chunks)."""
     # tiktoken encodes ~7x faster than HF and chunking it gained 1.0-1.5x on 2 cores (less
-    # than its cut search costs below 160K characters), so only HF engines are chunked.
-    chunked = tok.engine.engine_name == "tokenizers" and len(text) >= cfg.min_parallel_chars
-    cuts = chunk_cuts(tok, text, cfg.chunk_chars or _adaptive_chunk(len(text))) if chunked else []
+    # than its cut search costs below 160K characters), so it is never chunked.  The native
+    # engine (~70 MB/s a core) is chunked above `native_min_parallel_chars`, one chunk per core
+    # (a cut search and a thread hand-off cost more than a smaller chunk saves).
+    engine = tok.engine_label
+    if engine == "native":
+        chunked = len(text) >= cfg.native_min_parallel_chars
+        size = cfg.chunk_chars or -(-len(text) // (os.cpu_count() or 1))
+    else:
+        chunked = engine == "tokenizers" and len(text) >= cfg.min_parallel_chars
+        size = cfg.chunk_chars or _adaptive_chunk(len(text))
+    cuts = chunk_cuts(tok, text, size) if chunked else []
     if not cuts:
         # encode_fast releases the GIL (HF batch API, tiktoken), so a server thread
         # doing a session start never freezes the event loop.
@@ -149,9 +159,11 @@ class FullPath:
             c["chars"] += len(text)
         return ids
 
-    def is_parallel(self, n_chars: int) -> bool:
+    def is_parallel(self, n_chars: int, tok: FrozenTokenizer | None = None) -> bool:
         """Whether a text of `n_chars` characters is worth this path's parallel machinery
         (a session sends such windows here instead of one encode on its own thread)."""
+        if tok is not None and tok.engine_label == "native":
+            return n_chars >= self.config.native_min_parallel_chars
         return n_chars >= self.config.min_parallel_chars
 
     def stats(self) -> FullPathStats:

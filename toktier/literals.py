@@ -82,7 +82,7 @@ class LiteralIndex:
         return any(trie.search(buf) is not None for trie in self._tries)
 
     def crossed(self, buf: bytes) -> np.ndarray:
-        """bool[len(buf)+1]: True at i when no boundary may be certified at i because of a literal.
+        r"""bool[len(buf)+1]: True at i when no boundary may be certified at i because of a literal.
 
         That is inside an occurrence [a, b) (a < i < b), and at an occurrence's start a when the
         character before it may be whitespace other than a line break: the text before a

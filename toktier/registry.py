@@ -23,6 +23,8 @@ from .engines import HFEngine, Specials, TiktokenEngine, engine_failure
 from .errors import UnknownTokenizer, UnsupportedTokenizer
 from .families import I, Family, detect_family
 from .literals import LiteralIndex
+from .native import ENGINE_CHOICES, EngineChoice, NativeEngine
+from .native import attach as attach_native
 from .token_table import TokenTable, cross_check
 
 
@@ -48,6 +50,10 @@ class FrozenTokenizer:
     #: Lazily derived, immutable data of optional paths (the GPU's tables); filled at most once
     #: per key (a race computes a value twice, never a different one).  Not copied by `replace`.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: The certified native engine (`toktier.native`), or None with `native_reason` saying why
+    #: the reference engine serves `encode_fast`.  Set once by the loader.
+    native: NativeEngine | None = field(default=None, init=False, repr=False, compare=False)
+    native_reason: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def family(self) -> str | None:
@@ -81,6 +87,11 @@ class FrozenTokenizer:
             lines = [head, f"  why: {self.family_reason}"]
         else:
             lines = [f"{self.name}: {engine}, family {self.family}, splicing enabled"]
+        if self.native is not None and self.native.demoted is None:
+            lines.append(f"  fast encodes: native engine, certified at load (rules {self.native.rules})")
+        else:
+            why = self.native.demoted if self.native is not None else self.native_reason
+            lines.append(f"  fast encodes: reference engine ({why})")
         n_unc = int(self.table.uncertain.sum())
         lines.append(f"  specials={self.specials}, {len(self.table):,} ids, {len(self.engine.literals):,} active "
                      f"literal(s), longest token {self.max_token_bytes} B, hash {self.hash[:12]}")
@@ -95,8 +106,18 @@ class FrozenTokenizer:
         return self.engine.encode(text)
 
     def encode_fast(self, text: str) -> np.ndarray:
-        """`encode`'s IDs through the engine's fastest single-text call (repair hot path)."""
+        """`encode`'s IDs through the fastest certified engine (repair hot path, full-path chunks):
+        the native engine when it is certified and not demoted, else the reference's fastest call."""
+        nat = self.native
+        if nat is not None and nat.demoted is None:
+            return nat.encode(text)
         return self.engine.encode_fast(text)
+
+    @property
+    def engine_label(self) -> str:
+        """Which engine serves `encode_fast`: "native" or the reference engine's name."""
+        nat = self.native
+        return "native" if nat is not None and nat.demoted is None else self.engine.engine_name
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return self.engine.encode_batch(texts)
@@ -118,15 +139,32 @@ def _content_hash(engine_name: str, version: str, file_bytes: bytes, pattern: st
 
 
 def load_tokenizer(name_or_path: str | Path, *, specials: Specials = "all", pat_str: str | None = None,
-                   special_tokens: dict[str, int] | None = None) -> FrozenTokenizer:
+                   special_tokens: dict[str, int] | None = None, engine: EngineChoice = "auto") -> FrozenTokenizer:
     """Load a bundled name, a `tokenizer.json`, or a `.tiktoken` rank file (needs `pat_str`).
 
     `specials="all"` recognizes added/special-token text as the tokens (what servers
     do after rendering a chat template); `specials="none"` treats it as plain text
     (HF `encode_special_tokens=True`, tiktoken `encode_ordinary`).
+
+    `engine` picks what serves fast encodes (session windows, the full path):
+    ``"auto"`` the native engine when it certifies for this file (`toktier.native`),
+    else the reference; ``"native"`` the same but raises `UnsupportedTokenizer` with
+    the reason when it cannot certify; ``"reference"`` HF `tokenizers` / tiktoken only.
+    `encode` is always the reference.
     """
     if specials not in ("all", "none"):
         raise ValueError(f"specials must be 'all' or 'none', not {specials!r}")
+    if engine not in ENGINE_CHOICES:
+        raise ValueError(f"engine must be one of {ENGINE_CHOICES}, not {engine!r}")
+    tok = _load(name_or_path, specials, pat_str, special_tokens)
+    nat, why = attach_native(tok, engine)
+    object.__setattr__(tok, "native", nat)  # frozen: set once, here, before anyone sees `tok`
+    object.__setattr__(tok, "native_reason", why)
+    return tok
+
+
+def _load(name_or_path: str | Path, specials: Specials, pat_str: str | None,
+          special_tokens: dict[str, int] | None) -> FrozenTokenizer:
     key = str(name_or_path)
     if key in bundled.BUNDLED:
         spec = bundled.BUNDLED[key]
@@ -162,7 +200,7 @@ def _finish(name: str, digest: str, specials: Specials, engine: HFEngine | Tikto
         if mismatches:
             family, reason = None, "token table disagrees with the engine: " + "; ".join(mismatches)
     extra = {I: lambda: nfc_inert_mask(engine.normalize)} if family and family.nfc else None
-    classes = probe_classes(engine, family.class_patterns(), digest, extra) if family else None
+    classes = probe_classes(engine, family.class_patterns(), engine.class_key, extra) if family else None
     return FrozenTokenizer(
         name=name, hash=digest, specials=specials, family_info=family, family_reason=reason, engine=engine,
         classes=classes, literals=LiteralIndex(lit.content for lit in engine.literals),

@@ -109,6 +109,7 @@ class SessionStats:
     widenings: int = 0
     glued: int = 0  # splices cut inside a long piece (``families/glue.py``), counted in first_window/widened too
     tokens_retokenized: int = 0  # tokens produced by window or full encodes
+    lane: int = 0  # first-window appends spliced by the compiled lane (counted in first_window too)
     full_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -438,6 +439,18 @@ class Session:
         tok = self.tokenizer
         T = self._text
         n_old = len(T)
+        if (s == e == n_old and not self._dirty and self._ids.n and tok.engine_label == "native"
+                and not self.full_path.is_parallel(len(data) + self.window, tok)):
+            # An append: the compiled lane does the first window's splice in one call, with the
+            # same certificate; when it declines, the path below runs from scratch.  (Appends the
+            # full path would parallelize, or send to a GPU, go below: their window goes there.)
+            status, k1, q, nfresh, mid = tok.native.append_lane(T, data, self._ids.view(), self.window)
+            self.stats.tokens_retokenized += nfresh
+            if status == 0:
+                left = _Side(True, k1, 0, q)
+                right = _Side(True, self._ids.n, 0, n_old + len(data))
+                self.stats.lane += 1
+                return self._commit(s, e, data, dchars, left, right, mid, len(data), 0, [])
         lx = len(data)
         delta = lx - (e - s)
         nfc = tok.family_info.nfc
@@ -483,7 +496,7 @@ class Session:
                     wmap, wnorm = SpanMap(found[0]), found[1]
             # A huge change (a tool result of 100K+ chars) is a full encode of its own:
             # give it the parallel full path; small windows stay on this thread.
-            big = self.full_path.is_parallel(len(wtext))
+            big = self.full_path.is_parallel(len(wtext), tok)
             fresh = self.full_path.encode(tok, wtext) if big else tok.encode_fast(wtext)
             self.stats.tokens_retokenized += len(fresh)
             if tok.table.has_uncertain(fresh) and not tok.table.canonical_spans_ok(fresh, wnorm):

@@ -126,7 +126,7 @@ def case_table(tok) -> np.ndarray:
     from ..charclass import LO, UP, class_table
     from .o200k import LOWER_CLASS, UPPER_CLASS
 
-    table = class_table(tok.engine, tok.hash, {UP: UPPER_CLASS, LO: LOWER_CLASS})
+    table = class_table(tok.engine, tok.engine.class_key, {UP: UPPER_CLASS, LO: LOWER_CLASS})
     return (((table & UP) != 0) * CASE_UP + ((table & LO) != 0) * CASE_LO).astype(np.uint8)
 
 

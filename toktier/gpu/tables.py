@@ -104,7 +104,7 @@ def class_table(tok) -> np.ndarray:
         return cached
     fam = tok.family_info
     patterns = {**(fam.class_patterns() if fam is not None else CLASS_PATTERNS), **GPU_CLASS_PATTERNS}
-    table = charclass.class_table(tok.engine, tok.hash, patterns, folds=True)
+    table = charclass.class_table(tok.engine, tok.engine.class_key, patterns, folds=True)
     derived(tok)["class_table"] = table
     return table
 

@@ -1,0 +1,401 @@
+"""The native engine against the real reference tokenizers, at both levels.
+
+Pieces: the compiled scanner's split of every literal-free segment equals HF's own
+pre-tokenizer (llama3, deepseek, qwen3, with their production class tables) and, for
+every single-regex rule set (tiktoken's cl100k and o200k forms included), the ``regex``
+module's matches, with a class table probed from ``regex`` itself (both sides then read
+the same Unicode tables).  IDs and token byte offsets: equal to the reference encode on
+real text, adversarial text, literals, long runs and texts NFC changes.  Load-time
+certification, the engine choice, demotion by the shadow verifier, thread safety and
+the full path's chunks are covered too.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import toktier
+from adversarial import ATOMS
+from conftest import ALL_TOKENIZERS, HF_TOKENIZERS, get_tokenizer
+from gpu_refs import regex_pieces, regex_table
+from toktier.errors import UnsupportedTokenizer
+from toktier.families import FAMILIES
+from toktier.gpu.pretok_model import split_literals
+from toktier.gpu.tables import bpe_tables
+from toktier.native import _core, certify
+from toktier.tools.corpus import chat_wrap, large_text, samples
+from toktier.verifier import Served, Verifier
+
+pytestmark = pytest.mark.skipif(_core is None, reason="toktier.native._engine is not built")
+
+REGEX_RULES = {str(rules): splits[0] for spec in FAMILIES.values() for splits, rules in spec.splits.items()
+               if len(splits) == 1}
+EXTRA = ["'", "'s", "'re", "'LL", "ſ", "/", "//", "\u0301", "\u0300", "ǅ", "ʰ", "あ", "ー", "・", "A", "a", "\n",
+         "\r", " ", "  ", ".", "..", "\t", "\u200d", "中", "Ab", "aB", "\u3000", "\x00", "1", "゛", "\u00a0",
+         "'Ve", "x'", "+/", "/\n", "ABCあ", "Ǆ", "\U0001d400", "A-z", "!a", "{|", "ー・"]
+adv = st.lists(st.sampled_from(ATOMS + EXTRA * 2), max_size=120).map("".join)
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _corpus(n_chars: int = 12_000) -> list[tuple[str, str]]:
+    return [(s.name, s.text[:n_chars]) for s in samples(max_chars_per_sample=n_chars)]
+
+
+def _stable(tok, text: str) -> str:
+    return tok.engine.normalize(text) if tok.family_info.nfc else text
+
+
+def _spans(starts: np.ndarray, n: int) -> list[tuple[int, int]]:
+    ends = [*starts[1:].tolist(), n]
+    return list(zip(starts.tolist(), ends))
+
+
+def check_ids(tok, text: str, tally) -> None:
+    ref = tok.engine.encode(text)
+    ids, starts = tok.native.encode_with_starts(text)
+    assert np.array_equal(ids, ref), f"{tok.name}: ids differ for {text[:200]!r}"
+    if starts is not None:  # None: NFC changed the text and the reference encoded it
+        lens = tok.token_len[ref].astype(np.int64)
+        assert np.array_equal(starts, np.concatenate(([0], np.cumsum(lens)[:-1])) if len(ref) else starts)
+    tally(tok, "ids", len(ref))
+
+
+def check_hf_pieces(tok, text: str, tally) -> None:
+    n = 0
+    for a, b, lit in split_literals(tok, text):
+        if lit is not None:
+            continue
+        seg = text[a:b]
+        ref = [o for _, o in tok.engine.pre_tokenize(seg)]
+        starts, flags = tok.native.pieces(seg)
+        assert (flags == -1).all()
+        got = _spans(starts, len(seg))
+        assert got == ref, f"{tok.name}: pieces differ in {seg[:200]!r}"
+        n += len(ref)
+    tally(tok, "pieces", n)
+
+
+def _regex_engine(rules: str):
+    """A native engine whose class table comes from the `regex` module (the pieces oracle's tables)."""
+    tok = get_tokenizer("o200k_base" if rules == "o200k" else "cl100k_base")
+    bt = bpe_tables(tok)
+    return _core.CoreEngine(rules, regex_table(), bt.byte_to_id, bt.pair_keys, bt.pair_rank, bt.pair_merged,
+                            bt.pair_bits, bt.vocab_keys, bt.vocab_ids, bt.vocab_bits, bt.tok_off, bt.tok_blob,
+                            bt.max_piece_lookup, bt.whole_piece_lookup, False, [], [])
+
+
+# -- certification and choice --------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_every_bundled_tokenizer_certifies(name):
+    tok = get_tokenizer(name)
+    assert tok.native is not None, tok.native_reason
+    assert tok.engine_label == "native"
+    assert "native engine, certified" in tok.explain()
+    assert certify.bpe_consistency(tok, bpe_tables(tok)) is None
+
+
+def test_reference_choice_and_required_native():
+    tok = toktier.load_tokenizer("cl100k_base", engine="reference")
+    assert tok.native is None and tok.engine_label == "tiktoken"
+    assert "engine='reference'" in tok.explain()
+    with pytest.raises(ValueError, match="engine must be one of"):
+        toktier.load_tokenizer("cl100k_base", engine="fast")
+
+
+def test_uncertifiable_tokenizer_keeps_the_reference_with_a_reason(tmp_path):
+    # A tokenizer without a proven family: "auto" serves it through the reference, "native" refuses.
+    import json
+
+    src = get_tokenizer("llama3").engine.path
+    cfg = json.loads(open(src, encoding="utf-8").read())
+    cfg["pre_tokenizer"] = {"type": "Whitespace"}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(cfg), encoding="utf-8")
+    tok = toktier.load_tokenizer(str(path))
+    assert tok.native is None and "no proven family" in tok.native_reason
+    with pytest.raises(UnsupportedTokenizer, match="native engine cannot serve"):
+        toktier.load_tokenizer(str(path), engine="native")
+
+
+def test_inconsistent_merges_are_refused():
+    tok = get_tokenizer("cl100k_base")
+    bt = bpe_tables(tok)
+    bad = bt.pair_merged.copy()
+    used = np.flatnonzero(bt.pair_keys != np.uint64(0xFFFFFFFFFFFFFFFF))
+    bad[used[0]] = (int(bad[used[0]]) + 1) % len(tok.token_bytes)
+    from dataclasses import replace
+
+    assert certify.bpe_consistency(tok, replace(bt, pair_merged=bad)) is not None
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_self_check_catches_a_wrong_engine(name):
+    # The corpus must notice an engine that splits by the wrong rule set.
+    tok = get_tokenizer(name)
+    wrong = "qwen" if tok.native.rules != "qwen" else "cl100k_hf"
+    eng, _ = toktier.native.build(tok)
+    eng._core = _core.CoreEngine(wrong, *_core_args(tok))
+    assert certify.self_check(tok, eng) is not None
+
+
+def _core_args(tok):
+    from toktier import charclass
+    from toktier.families import GPU_CLASS_PATTERNS
+
+    fam = tok.family_info
+    table = charclass.class_table(tok.engine, tok.hash, {**fam.class_patterns(), **GPU_CLASS_PATTERNS}, folds=True)
+    bt = bpe_tables(tok)
+    return (table, bt.byte_to_id, bt.pair_keys, bt.pair_rank, bt.pair_merged, bt.pair_bits, bt.vocab_keys,
+            bt.vocab_ids, bt.vocab_bits, bt.tok_off, bt.tok_blob, bt.max_piece_lookup, bt.whole_piece_lookup,
+            fam.nfc, [], [])
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", HF_TOKENIZERS)
+def test_pieces_equal_hf_pre_tokenizer_on_real_text(name, tally):
+    tok = get_tokenizer(name)
+    for _, text in _corpus():
+        check_hf_pieces(tok, _stable(tok, text), tally)
+
+
+@pytest.mark.parametrize("name", HF_TOKENIZERS)
+@SETTINGS
+@given(text=adv)
+def test_pieces_equal_hf_pre_tokenizer_on_adversarial_text(name, text, tally):
+    tok = get_tokenizer(name)
+    check_hf_pieces(tok, _stable(tok, text), tally)
+
+
+@pytest.mark.parametrize("rules", sorted(REGEX_RULES))
+def test_pieces_equal_regex_on_real_text(rules):
+    eng = _regex_engine(rules)
+    for name, text in _corpus():
+        starts, _ = eng.pieces(text)
+        assert _spans(starts, len(text)) == regex_pieces(REGEX_RULES[rules], text), name
+
+
+@pytest.mark.parametrize("rules", sorted(REGEX_RULES))
+@SETTINGS
+@given(text=adv)
+def test_pieces_equal_regex_on_adversarial_text(rules, text):
+    starts, _ = _regex_engine(rules).pieces(text)
+    assert _spans(starts, len(text)) == regex_pieces(REGEX_RULES[rules], text)
+
+
+@pytest.mark.parametrize("rules", sorted(REGEX_RULES))
+def test_every_code_point_in_context_splits_as_regex(rules):
+    # Each code point c (all 1,114,112 minus surrogates) between letters, after a space, after
+    # an apostrophe, before digits and doubled: the contexts every alternative reads.
+    eng = _regex_engine(rules)
+    pat = REGEX_RULES[rules]
+    cps = np.arange(0x110000, dtype=np.uint32)
+    cps = cps[(cps < 0xD800) | (cps > 0xDFFF)]
+    for lo in range(0, len(cps), 4096):
+        chunk = cps[lo:lo + 4096].astype("<u4").tobytes().decode("utf-32-le")
+        text = "".join(f"a{c}b {c}'{c}1{c}{c}A\n" for c in chunk)
+        starts, _ = eng.pieces(text)
+        assert _spans(starts, len(text)) == regex_pieces(pat, text), f"code points from U+{int(cps[lo]):04X}"
+
+
+# -- IDs -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_ids_equal_reference_on_real_text(name, tally):
+    tok = get_tokenizer(name)
+    for _, text in _corpus(50_000):
+        check_ids(tok, text, tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@SETTINGS
+@given(text=adv)
+def test_ids_equal_reference_on_adversarial_text(name, text, tally):
+    check_ids(get_tokenizer(name), text, tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@pytest.mark.parametrize("kind", ["mixed", "code", "multilingual"])
+def test_ids_equal_reference_on_large_text(name, kind, tally):
+    tok = get_tokenizer(name)
+    check_ids(tok, large_text(300_000, kind=kind), tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_literals_and_chat_templates(name, tally):
+    tok = get_tokenizer(name)
+    lits = [lit.content for lit in tok.engine.literals][:64]
+    text = " x".join(f"{a}\n{b}{a}  \u00a0{b}" for a, b in zip(lits, reversed(lits)))
+    check_ids(tok, text, tally)
+    for style in ("chatml", "llama3", "deepseek"):
+        check_ids(tok, chat_wrap([("user", "hi there"), ("assistant", "ok 'S done\n")], style, True), tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_specials_as_plain_text(name, tally):
+    tok = get_tokenizer(name, specials="none")
+    assert tok.native is not None, tok.native_reason
+    lits = [lit.content for lit in get_tokenizer(name).engine.literals][:16]
+    check_ids(tok, "a " + " b".join(lits), tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@pytest.mark.parametrize("text", [
+    "a" * 20_000, " " * 20_000 + "x", "\n" * 5000 + " " * 5000, "1" * 9999, "!" * 30_000, "中" * 10_000,
+    "ab" * 10_000, "\u00a0" * 3000 + "a", "'s" * 5000, "A" * 5000 + "a", "\u0301" * 4000, "é" * 5000,
+    "/" * 3000 + "\n/" * 2000, "x" * 5000 + "\U0001f600" * 3000,
+])
+def test_long_runs(name, text, tally):
+    check_ids(get_tokenizer(name), text, tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_bpe_of_long_pieces_agrees(name):
+    # Each text is one pre-tokenizer piece of 100-600 bytes: the heap merge (pieces over 48 bytes).
+    tok = get_tokenizer(name)
+    for text in "abcdefghij" * 30, "!@#$%^&*()" * 30, "é" * 200, "xY" * 100, "ぁ" * 60:
+        starts, _ = tok.native.pieces(text)
+        if len(starts) == 1:
+            assert np.array_equal(tok.native.bpe(text.encode()), tok.engine.encode(text)), text[:20]
+
+
+def test_nfc_changing_text_falls_back_to_the_reference(tally):
+    tok = get_tokenizer("qwen3")
+    text = "cafe\u0301 Å A\u030a " * 50
+    assert tok.engine.normalize(text) != text
+    before = tok.native.nfc_fallbacks
+    check_ids(tok, text, tally)
+    assert tok.native.nfc_fallbacks == before + 1
+    inert = "caf\u00e9 \u00c5 " * 50  # NFC text of non-inert-free characters is served natively
+    check_ids(tok, inert, tally)
+
+
+# -- serving ---------------------------------------------------------------------------------
+
+def test_threads_share_nothing_mutable():
+    tok = get_tokenizer("llama3")
+    texts = [large_text(40_000, seed=s, kind=k) for s in range(3) for k in ("mixed", "code")]
+    want = [tok.engine.encode(t) for t in texts]
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        for _ in range(3):
+            for i in range(len(texts)):
+                j = (i + k) % len(texts)
+                if not np.array_equal(tok.native.encode(texts[j]), want[j]):
+                    errors.append(f"thread {k} text {j}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_verifier_mismatch_demotes_a_wrong_native_engine():
+    tok = toktier.load_tokenizer("cl100k_base")
+    assert tok.engine_label == "native"
+    text = "x = 1234567"
+    good = tok.encode(text)
+    # A served result that is wrong while the native engine is right: not the engine's fault.
+    reports = Verifier().check(tok, [Served(text, good[::-1].copy())])
+    assert reports and tok.native.demoted is None and tok.engine_label == "native"
+    # An engine that differs from the reference (Qwen's digit rule here) is sent back.
+    tok.native._core = _core.CoreEngine("qwen", *_core_args(tok))
+    served = tok.encode_fast(text)
+    assert not np.array_equal(served, good)
+    reports = Verifier().check(tok, [Served(text, served)])
+    assert reports and tok.native.demoted and "shadow verifier" in tok.native.demoted
+    assert tok.engine_label == "tiktoken"
+    assert np.array_equal(tok.encode_fast(text), good)
+    assert "reference engine (shadow verifier" in tok.explain()
+    assert toktier.load_tokenizer("cl100k_base").engine_label == "native"  # a new load certifies afresh
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_session_and_full_path_use_it_and_stay_exact(name):
+    tok = get_tokenizer(name)
+    text = _stable(tok, large_text(200_000, kind="mixed"))
+    fp = toktier.FullPath()
+    assert np.array_equal(fp.encode(tok, text), tok.engine.encode(text))
+    s = toktier.Session(tok, text[:100_000])
+    for k in range(100_000, 100_000 + 5 * 1400, 1400):
+        r = s.append(text[k:k + 1400])
+    assert np.array_equal(r.ids, tok.engine.encode(text[:100_000 + 5 * 1400]))
+
+
+# -- the compiled append lane ----------------------------------------------------------------
+
+def _append_session(tok, text: str, deltas: list[str], tally, check_every: int = 1) -> toktier.Session:
+    s = toktier.Session(tok, text)
+    for i, d in enumerate(deltas):
+        r = s.append(d)
+        text += d
+        if i % check_every == 0 or i == len(deltas) - 1:
+            ref = tok.engine.encode(text)
+            assert np.array_equal(r.ids, ref), f"{tok.name}: append {i} ({d[:40]!r}) diverged"
+            m = min(len(ref), r.first_changed)
+            tally(tok, "session", 1)
+            assert r.first_changed <= len(ref)
+            del m
+    return s
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_lane_appends_of_real_text_are_exact(name, tally):
+    tok = get_tokenizer(name)
+    base = _stable(tok, large_text(30_000, kind="code"))
+    more = _stable(tok, large_text(40_000, seed=4, kind="mixed"))
+    deltas = [more[k:k + n] for k, n in zip(range(0, 40_000, 1000), [1, 10, 1400, 3, 700] * 8)]
+    s = _append_session(tok, base, deltas, tally, check_every=3)
+    assert s.stats.lane > len(deltas) // 2, s.stats
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@SETTINGS
+@given(parts=st.lists(adv, min_size=1, max_size=12))
+def test_lane_appends_of_adversarial_text_are_exact(name, parts, tally):
+    tok = get_tokenizer(name)
+    _append_session(tok, _stable(tok, "def f(x):\n    return x  # " * 20), [_stable(tok, p) for p in parts], tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_lane_chat_turns_with_literals(name, tally):
+    tok = get_tokenizer(name)
+    lits = [lit.content for lit in tok.engine.literals][:8] or [""]
+    turns = [f"{lits[i % len(lits)]}user\n\nline {i} 'S\u00a0\u00a0{lits[(i + 1) % len(lits)]}" for i in range(40)]
+    s = _append_session(tok, "system prompt. " * 40, turns, tally)
+    assert s.stats.lane > 0
+
+
+def test_lane_declines_what_it_cannot_certify(tally):
+    tok = get_tokenizer("llama3")
+    s = _append_session(tok, "=" * 2000, ["=" * 10, "a" * 7, " " * 300], tally)  # one-byte runs: Python path
+    assert s.stats.first_window + s.stats.widened + s.stats.full > s.stats.lane
+    status, *_ = tok.native.append_lane(bytearray(b"x" * 300), "\u00e9".encode() * 3, np.zeros(0, np.uint32), 256)
+    assert status != 0  # no tokens: nothing to splice against
+
+
+def test_a_lane_with_a_wrong_engine_is_caught(tally):
+    # Mutation check: the lane splices what its engine encodes, so a lane driven by an engine
+    # with the wrong rule set (Qwen's single digits for llama3) must produce a divergence the
+    # differential check sees: these tests can fail.  (The load-time self-check refuses such an
+    # engine: `test_self_check_catches_a_wrong_engine`.)
+    tok = toktier.load_tokenizer("llama3")
+    fam = tok.family_info
+    wrong = _core.CoreEngine("qwen", *_core_args(tok))
+    tok.native._lane = _core.RepairLane(wrong, tok.token_len, tok.table.uncertain.astype(np.uint8),
+                                        fam._group_table(tok.classes), np.asarray(fam._tables()[1], np.uint8),
+                                        tok.max_token_bytes, [])
+    text = "def f(x):\n    return x + 1  # add\n" * 20
+    s = toktier.Session(tok, text)
+    text += " = 1234567"
+    assert not np.array_equal(s.append(" = 1234567").ids, tok.engine.encode(text))
+    assert s.stats.lane == 1

@@ -1,0 +1,159 @@
+"""The native engine: a compiled encoder that returns exactly the reference's IDs, certified per tokenizer.
+
+`attach(tok, choice)` runs at load: it builds the engine over the tokenizer's probed
+class table and BPE tables (the ones the GPU path uses, ``toktier/gpu/tables.py``) and
+certifies it (``certify.py``); only then does `FrozenTokenizer.encode_fast` (session
+windows, big appends, the full path's chunks) go through it.  A tokenizer it cannot
+certify keeps the reference engine and says why (`FrozenTokenizer.explain`).  The
+shadow verifier demotes an engine on a confirmed mismatch (`NativeEngine.demote`): from
+then on that tokenizer's encodes go to the reference again.
+
+`reference` encodes (`FrozenTokenizer.encode`, the verifier, the tests' expectations)
+never touch this module.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Literal
+
+import numpy as np
+
+EngineChoice = Literal["auto", "native", "reference"]
+ENGINE_CHOICES = ("auto", "native", "reference")
+
+try:
+    from . import _engine as _core
+    BUILD_ERROR: str | None = None
+except ImportError as exc:  # a source tree nobody built (`pip install -e .` builds it)
+    _core = None
+    BUILD_ERROR = f"the compiled module toktier.native._engine is not built ({exc})"
+
+
+class NativeEngine:
+    """The compiled encoder of one certified tokenizer; thread-safe (a piece cache per thread)."""
+
+    def __init__(self, tok, core, rules: str) -> None:
+        self._tok = tok
+        self._core = core
+        self.rules = rules
+        self._local = threading.local()
+        self.demoted: str | None = None  # why it no longer serves (a confirmed shadow mismatch)
+        self.nfc_fallbacks = 0  # NFC-family texts the normalizer changes: the reference encoded them
+        self._lane = None
+
+    @property
+    def active(self) -> bool:
+        return self.demoted is None
+
+    def demote(self, reason: str) -> None:
+        """Stop serving: every later encode of this tokenizer goes to the reference engine."""
+        if self.demoted is None:
+            self.demoted = reason
+
+    def _cache(self):
+        c = getattr(self._local, "cache", None)
+        if c is None:
+            c = self._local.cache = _core.PieceCacheBox()
+        return c
+
+    def encode(self, text: str) -> np.ndarray:
+        """Exactly ``tok.encode(text)`` (uint32)."""
+        return self.encode_with_starts(text, want_starts=False)[0]
+
+    def encode_with_starts(self, text: str, want_starts: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """(IDs, UTF-8 byte offset of each token or None).  NFC families: offsets are in the text's
+        own coordinates when NFC leaves it unchanged; otherwise the reference encodes it (no offsets)."""
+        if self.demoted is not None:
+            return self._tok.engine.encode_fast(text), None
+        status, ids, starts = self._core.encode(text, self._cache(), want_starts, True)
+        if status == _core.NEEDS_NFC:
+            if self._tok.engine.normalize(text) != text:
+                self.nfc_fallbacks += 1
+                return self._tok.engine.encode_fast(text), None
+            status, ids, starts = self._core.encode(text, self._cache(), want_starts, False)
+        return ids, starts
+
+    def lane(self):
+        """The compiled first-window splice of appends (``repair.hpp``), built once per engine."""
+        lane = self._lane
+        if lane is None:
+            tok = self._tok
+            fam = tok.family_info
+            group = fam._group_table(tok.classes)
+            pairs = np.asarray(fam._tables()[1], dtype=np.uint8)
+            if group is None:
+                raise RuntimeError("the family's group table needs a read-only class table")
+            lane = self._lane = _core.RepairLane(
+                self._core, tok.token_len, tok.table.uncertain.astype(np.uint8), group, pairs,
+                tok.max_token_bytes, [lit.content for lit in tok.engine.literals if lit.content])
+        return lane
+
+    def append_lane(self, text: bytearray, data: bytes, ids: np.ndarray, window: int):
+        """(status, k1, q, fresh count, mid) of the compiled append splice (`RepairLane.append`)."""
+        return self.lane().append(text, data, ids, window, self._cache())
+
+    def pieces(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(piece start character offsets, literal id per piece or -1) of the native pre-tokenizer."""
+        return self._core.pieces(text)
+
+    def bpe(self, piece: bytes) -> np.ndarray:
+        """BPE IDs of one piece's bytes."""
+        return self._core.bpe(piece, self._cache())
+
+
+def build(tok) -> tuple[NativeEngine | None, str | None]:
+    """An uncertified engine for `tok`, or (None, why it cannot have one)."""
+    if _core is None:
+        return None, BUILD_ERROR
+    if tok.family_info is None:
+        return None, f"no proven family ({tok.family_reason})"
+    from .. import charclass
+    from ..families import GPU_CLASS_PATTERNS
+    from ..gpu.tables import bpe_tables, model_gap, rules_for
+
+    gap = model_gap(tok)
+    if gap is not None:
+        return None, gap
+    rules = rules_for(tok)
+    if rules is None:
+        return None, "no scanner models this pre-tokenizer"
+    fam = tok.family_info
+    extra = None
+    if fam.nfc:
+        extra = {charclass.NFC_INERT: lambda: charclass.nfc_inert_mask(tok.engine.normalize)}
+    table = charclass.class_table(tok.engine, tok.engine.class_key, {**fam.class_patterns(), **GPU_CLASS_PATTERNS},
+                                  folds=True, extra=extra)
+    bt = bpe_tables(tok)
+    lit_ids = tok.table.literal_ids  # the ids the engine emits (never a file's declared ids)
+    lits = [lit for lit in tok.engine.literals if lit.content]
+    first = [(lit.content, int(lit_ids[lit.content])) for lit in lits if not lit.normalized]
+    second = [(lit.content, int(lit_ids[lit.content])) for lit in lits if lit.normalized]
+    core = _core.CoreEngine(str(rules), table, bt.byte_to_id, bt.pair_keys, bt.pair_rank, bt.pair_merged,
+                            bt.pair_bits, bt.vocab_keys, bt.vocab_ids, bt.vocab_bits, bt.tok_off, bt.tok_blob,
+                            bt.max_piece_lookup, bt.whole_piece_lookup, fam.nfc, first, second)
+    return NativeEngine(tok, core, str(rules)), None
+
+
+def attach(tok, choice: EngineChoice) -> tuple[NativeEngine | None, str | None]:
+    """Build and certify the native engine of `tok` for load choice `choice`.
+
+    Returns (engine, None) or (None, why the reference engine serves).  ``"native"``
+    raises `UnsupportedTokenizer` instead of returning a reason.
+    """
+    if choice not in ENGINE_CHOICES:
+        raise ValueError(f"engine must be one of {ENGINE_CHOICES}, not {choice!r}")
+    if choice == "reference":
+        return None, "the reference engine was asked for (engine='reference')"
+    from .certify import certify
+
+    eng, why = build(tok)
+    if eng is not None:
+        why = certify(tok, eng)
+        if why is not None:
+            eng = None
+    if eng is None and choice == "native":
+        from ..errors import UnsupportedTokenizer
+
+        raise UnsupportedTokenizer(f"{tok.name}: the native engine cannot serve it: {why}")
+    return eng, why

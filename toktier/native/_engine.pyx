@@ -1,0 +1,307 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# distutils: language = c++
+"""Thin Cython binding of ``engine.hpp``: borrows the tables, reads a str's code points in place.
+
+`CoreEngine` keeps a reference to every numpy array whose memory the C++ engine reads,
+so the tables live exactly as long as it does.  `encode` reads the str's PEP 393
+buffer directly (no UTF-8 encode of the text) and runs without the GIL; each thread
+gets its own piece cache (`PieceCacheBox`, held by the Python caller in a
+``threading.local``), so concurrent encodes share nothing mutable.
+"""
+
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+from libcpp cimport bool as cbool
+from libcpp.vector cimport vector
+
+import numpy as np
+
+
+cdef extern from "Python.h":
+    int PyUnicode_KIND(object)
+    void* PyUnicode_DATA(object)
+    Py_ssize_t PyUnicode_GET_LENGTH(object)
+    int PyUnicode_IS_ASCII(object)
+
+
+cdef extern from "engine.hpp" namespace "ttn":
+    cdef cppclass Tables:
+        const uint32_t* cls
+        const uint32_t* byte_to_id
+        const uint64_t* pair_keys
+        const uint32_t* pair_rank
+        const uint32_t* pair_merged
+        int pair_bits
+        const uint64_t* vocab_keys
+        const uint32_t* vocab_ids
+        int vocab_bits
+        const uint32_t* tok_off
+        const uint8_t* tok_blob
+        int max_piece_lookup
+        cbool whole_piece_lookup
+        int rules
+
+    cdef cppclass Trie:
+        void add(const uint32_t* cps, int64_t n, int64_t id) except +
+
+    cdef cppclass PieceCache:
+        uint64_t hits, misses
+        void clear()
+
+    cdef cppclass Output:
+        vector[uint32_t] ids
+        vector[int64_t] starts
+        cbool want_starts
+
+    cdef cppclass Engine:
+        Tables t
+        Trie lit1, lit2
+        cbool nfc
+        int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
+        void pieces[T](const T* s, int64_t n, vector[int64_t]& starts, vector[int64_t]& lit_flags) except + nogil
+        void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, vector[uint32_t]& out) except + nogil
+
+
+RULES = {"cl100k_hf": 0, "cl100k_tt": 1, "qwen": 2, "o200k": 3, "deepseek": 4}
+NEEDS_NFC = 1
+
+
+cdef class PieceCacheBox:
+    """One thread's BPE piece cache for one engine (never shared between threads)."""
+
+    cdef PieceCache* c
+
+    def __cinit__(self):
+        self.c = new PieceCache()
+
+    def __dealloc__(self):
+        del self.c
+
+    @property
+    def hits(self):
+        return self.c.hits
+
+    @property
+    def misses(self):
+        return self.c.misses
+
+
+cdef object _u32(const uint32_t* p, size_t n):
+    out = np.empty(n, dtype=np.uint32)
+    cdef uint32_t[::1] v = out
+    if n:
+        memcpy(&v[0], p, n * sizeof(uint32_t))
+    return out
+
+
+cdef object _i64(const int64_t* p, size_t n):
+    out = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] v = out
+    if n:
+        memcpy(&v[0], p, n * sizeof(int64_t))
+    return out
+
+
+cdef class CoreEngine:
+    """The compiled encoder over borrowed tables (see ``toktier/native/engine.hpp``)."""
+
+    cdef Engine* e
+    cdef object _keep
+
+    def __cinit__(self):
+        self.e = new Engine()
+        self._keep = []
+
+    def __dealloc__(self):
+        del self.e
+
+    def __init__(self, str rules, cls, byte_to_id, pair_keys, pair_rank, pair_merged, int pair_bits,
+                 vocab_keys, vocab_ids, int vocab_bits, tok_off, tok_blob, int max_piece_lookup,
+                 bint whole_piece_lookup, bint nfc, list literals_first, list literals_second):
+        arrays = [np.ascontiguousarray(a) for a in (cls, byte_to_id, pair_keys, pair_rank, pair_merged,
+                                                     vocab_keys, vocab_ids, tok_off, tok_blob)]
+        want = (np.uint32, np.uint32, np.uint64, np.uint32, np.uint32, np.uint64, np.uint32, np.uint32, np.uint8)
+        for a, dt in zip(arrays, want):
+            if a.dtype != dt:
+                raise TypeError(f"table of dtype {a.dtype}, expected {np.dtype(dt)}")
+        if len(arrays[0]) != 0x110000 or len(arrays[1]) != 256:
+            raise ValueError("class table must have 0x110000 entries and byte_to_id 256")
+        if len(arrays[2]) != 1 << pair_bits or len(arrays[5]) != 1 << vocab_bits:
+            raise ValueError("hash table sizes do not match their bit counts")
+        if len(arrays[8]) == 0:
+            arrays[8] = np.zeros(1, np.uint8)
+        self._keep = arrays
+        cdef const uint32_t[::1] c0 = arrays[0]
+        cdef const uint32_t[::1] b2i = arrays[1]
+        cdef const uint64_t[::1] pk = arrays[2]
+        cdef const uint32_t[::1] pr = arrays[3]
+        cdef const uint32_t[::1] pm = arrays[4]
+        cdef const uint64_t[::1] vk = arrays[5]
+        cdef const uint32_t[::1] vi = arrays[6]
+        cdef const uint32_t[::1] to = arrays[7]
+        cdef const uint8_t[::1] tb = arrays[8]
+        if rules not in RULES:
+            raise ValueError(f"unknown rule set {rules!r}")
+        self.e.t.rules = RULES[rules]
+        self.e.t.cls = &c0[0]
+        self.e.t.byte_to_id = &b2i[0]
+        self.e.t.pair_keys = &pk[0]
+        self.e.t.pair_rank = &pr[0]
+        self.e.t.pair_merged = &pm[0]
+        self.e.t.pair_bits = pair_bits
+        self.e.t.vocab_keys = &vk[0]
+        self.e.t.vocab_ids = &vi[0]
+        self.e.t.vocab_bits = vocab_bits
+        self.e.t.tok_off = &to[0]
+        self.e.t.tok_blob = &tb[0]
+        self.e.t.max_piece_lookup = max_piece_lookup
+        self.e.t.whole_piece_lookup = whole_piece_lookup
+        self.e.nfc = nfc
+        cdef uint32_t[::1] cps
+        for second, lits in ((False, literals_first), (True, literals_second)):
+            for content, lid in lits:
+                if not content:
+                    continue
+                cps = np.frombuffer(content.encode("utf-32-le"), dtype=np.uint32).copy()
+                if second:
+                    self.e.lit2.add(&cps[0], len(cps), lid)
+                else:
+                    self.e.lit1.add(&cps[0], len(cps), lid)
+
+    def encode(self, str text, PieceCacheBox cache, bint want_starts=False, bint check_nfc=True):
+        """(status, ids uint32, byte starts int64 or None); status NEEDS_NFC: an NFC family's text
+        holds a character NFC might change (the caller checks it with the reference normalizer)."""
+        cdef Output out
+        out.want_starts = want_starts
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        cdef cbool ascii = PyUnicode_IS_ASCII(text) != 0
+        cdef int status
+        with nogil:
+            if kind == 1:
+                status = self.e.encode[uint8_t](<const uint8_t*>data, n, ascii, check_nfc, cache.c[0], out)
+            elif kind == 2:
+                status = self.e.encode[uint16_t](<const uint16_t*>data, n, ascii, check_nfc, cache.c[0], out)
+            else:
+                status = self.e.encode[uint32_t](<const uint32_t*>data, n, ascii, check_nfc, cache.c[0], out)
+        if status != 0:
+            return status, None, None
+        ids = _u32(out.ids.data(), out.ids.size())
+        starts = _i64(out.starts.data(), out.starts.size()) if want_starts else None
+        return 0, ids, starts
+
+    def pieces(self, str text):
+        """(piece start character offsets int64, literal id per piece or -1): the pre-tokenizer's
+        split after the literal split (campaigns compare it with the reference's pieces)."""
+        cdef vector[int64_t] starts, flags
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        with nogil:
+            if kind == 1:
+                self.e.pieces[uint8_t](<const uint8_t*>data, n, starts, flags)
+            elif kind == 2:
+                self.e.pieces[uint16_t](<const uint16_t*>data, n, starts, flags)
+            else:
+                self.e.pieces[uint32_t](<const uint32_t*>data, n, starts, flags)
+        return _i64(starts.data(), starts.size()), _i64(flags.data(), flags.size())
+
+    def bpe(self, bytes piece, PieceCacheBox cache):
+        """BPE ids of one piece's bytes (tests and the load-time consistency check)."""
+        cdef vector[uint32_t] out
+        cdef const uint8_t* p = piece
+        cdef uint32_t n = len(piece)
+        with nogil:
+            self.e.bpe(p, n, cache.c[0], out)
+        return _u32(out.data(), out.size())
+
+
+cdef extern from "repair.hpp" namespace "ttn":
+    cdef cppclass LaneTables:
+        const uint32_t* token_len
+        const uint8_t* uncertain
+        int64_t n_ids
+        const uint8_t* group
+        const uint8_t* pairs
+        int64_t n_pairs
+        int64_t max_token_bytes
+        int64_t max_literal
+
+    cdef cppclass LaneResult:
+        int status
+        int64_t k1, q, fresh
+        vector[uint32_t] mid
+
+    cdef cppclass Lane:
+        const Engine* eng
+        LaneTables t
+        Trie lit_bytes
+        int append(const uint8_t* T, int64_t n_old, const uint8_t* data, int64_t n_data, const uint32_t* ids,
+                   int64_t N, int64_t wl, PieceCache& cache, LaneResult& res) except + nogil
+
+
+LANE_STATUS = {0: "ok", 1: "no certified cut in the first window", 2: "one-byte run before the change",
+               3: "a character NFC may change in the window", 4: "a fresh token without a fixed span",
+               5: "invalid UTF-8", 6: "fresh tokens do not spell the new text"}
+
+
+cdef class RepairLane:
+    """The compiled first-window splice of an append (``repair.hpp``) for one tokenizer."""
+
+    cdef Lane* lane
+    cdef object _keep
+
+    def __cinit__(self):
+        self.lane = new Lane()
+        self._keep = []
+
+    def __dealloc__(self):
+        del self.lane
+
+    def __init__(self, CoreEngine core, token_len, uncertain, group, pairs, int max_token_bytes, list literals):
+        arrays = [np.ascontiguousarray(token_len, dtype=np.uint32), np.ascontiguousarray(uncertain, dtype=np.uint8),
+                  np.ascontiguousarray(group, dtype=np.uint8), np.ascontiguousarray(pairs, dtype=np.uint8)]
+        if len(arrays[0]) != len(arrays[1]) or len(arrays[2]) != 0x110000 or len(arrays[3]) == 0:
+            raise ValueError("lane tables have the wrong sizes")
+        self._keep = [core, arrays]
+        cdef const uint32_t[::1] tl = arrays[0]
+        cdef const uint8_t[::1] un = arrays[1]
+        cdef const uint8_t[::1] gr = arrays[2]
+        cdef const uint8_t[::1] pa = arrays[3]
+        self.lane.eng = core.e
+        self.lane.t.token_len = &tl[0]
+        self.lane.t.uncertain = &un[0]
+        self.lane.t.n_ids = len(arrays[0])
+        self.lane.t.group = &gr[0]
+        self.lane.t.pairs = &pa[0]
+        self.lane.t.n_pairs = len(arrays[3])
+        self.lane.t.max_token_bytes = max_token_bytes
+        cdef uint32_t[::1] bs
+        longest = 0
+        for content in literals:
+            raw = content.encode("utf-8")
+            if not raw:
+                continue
+            longest = max(longest, len(raw))
+            bs = np.frombuffer(raw, dtype=np.uint8).astype(np.uint32)
+            self.lane.lit_bytes.add(&bs[0], len(bs), 1)
+        self.lane.t.max_literal = longest
+
+    def append(self, text, bytes data, ids, int64_t wl, PieceCacheBox cache):
+        """(status, k1, q, fresh count, mid ids or None) for appending `data` to `text` (a bytearray
+        or bytes, the session's UTF-8 text) whose tokens are `ids` (uint32, contiguous)."""
+        cdef const uint8_t[::1] T = text
+        cdef const uint32_t[::1] I = ids
+        cdef const uint8_t* d = data
+        cdef LaneResult res
+        cdef int64_t n_old = len(T), n_data = len(data), N = len(I)
+        cdef const uint8_t* tp = &T[0] if n_old else NULL
+        cdef const uint32_t* ip = &I[0] if N else NULL
+        if n_old == 0 or N == 0:
+            return 1, 0, 0, 0, None
+        with nogil:
+            self.lane.append(tp, n_old, d, n_data, ip, N, wl, cache.c[0], res)
+        if res.status != 0:
+            return res.status, 0, 0, res.fresh, None
+        return 0, res.k1, res.q, res.fresh, _u32(res.mid.data(), res.mid.size())

@@ -1,0 +1,567 @@
+// TokTier native engine: the CPU twin of the GPU path's algorithm, sequential and compiled.
+//
+// One call encodes one text the way the reference does (HF `tokenizers` / tiktoken):
+//   1. added-token literals, leftmost-longest, first the non-normalized ones, then the
+//      normalized ones in the gaps (a code-point trie each);
+//   2. each gap is pre-tokenized by a hand-written scanner per rule set that follows the
+//      family's regex alternative by alternative (leftmost-first, greedy, with the exact
+//      backtracking each alternative can do), reading only the probed class table;
+//   3. each piece is BPE-encoded: whole-piece vocab lookup where the reference does it,
+//      else the leftmost lowest-rank merge, one merge at a time (a heap for long pieces,
+//      ordered as HF's `Word::merge_all` orders it), through a per-thread piece cache.
+// Everything the scanner and BPE read (class table, pair and vocab hash tables, token
+// bytes) is built and certified in Python (toktier/native/__init__.py) and only borrowed
+// here: this file owns no tokenizer data and no global state.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <queue>
+#include <unordered_map>
+#include <vector>
+
+namespace ttn {
+
+// class-table bits (toktier/charclass.py)
+constexpr uint32_t L = 1, N = 2, M = 4, W = 8, K = 16, UP = 32, LO = 64, PS = 128;
+constexpr uint32_t FOLD_SHIFT = 8, NFC_INERT = 1u << 16;
+
+enum Rules : int { CL100K_HF = 0, CL100K_TT = 1, QWEN = 2, O200K = 3, DEEPSEEK = 4 };
+
+constexpr uint64_t GOLDEN = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t EMPTY64 = ~0ull;
+constexpr uint32_t EMPTY32 = ~0u;
+constexpr uint64_t FNV_OFFSET = 0xCBF29CE484222325ull, FNV_PRIME = 0x100000001B3ull;
+
+struct Tables {
+  const uint32_t* cls = nullptr;  // [0x110000]
+  const uint32_t* byte_to_id = nullptr;  // [256]
+  const uint64_t* pair_keys = nullptr;
+  const uint32_t* pair_rank = nullptr;
+  const uint32_t* pair_merged = nullptr;
+  int pair_bits = 0;
+  const uint64_t* vocab_keys = nullptr;
+  const uint32_t* vocab_ids = nullptr;
+  int vocab_bits = 0;
+  const uint32_t* tok_off = nullptr;
+  const uint8_t* tok_blob = nullptr;
+  int max_piece_lookup = 0;
+  bool whole_piece_lookup = false;
+  int rules = CL100K_HF;
+};
+
+// -- literal tries (over code points) ---------------------------------------------------------
+struct Trie {
+  std::unordered_map<uint64_t, int32_t> edges;  // (node << 21 | cp) -> child
+  std::vector<int64_t> term{-1};  // node -> literal id or -1
+  std::vector<uint64_t> first_ascii{0, 0};  // bitmap of ASCII first code points
+  std::vector<uint32_t> first_other;  // sorted non-ASCII first code points
+
+  void add(const uint32_t* cps, int64_t n, int64_t id) {
+    if (n <= 0) return;
+    int32_t node = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      uint64_t key = (uint64_t(node) << 21) | cps[i];
+      auto it = edges.find(key);
+      if (it == edges.end()) {
+        int32_t child = int32_t(term.size());
+        term.push_back(-1);
+        edges.emplace(key, child);
+        node = child;
+      } else {
+        node = it->second;
+      }
+    }
+    term[node] = id;
+    uint32_t c0 = cps[0];
+    if (c0 < 128) first_ascii[c0 >> 6] |= 1ull << (c0 & 63);
+    else if (!std::binary_search(first_other.begin(), first_other.end(), c0)) {
+      first_other.insert(std::upper_bound(first_other.begin(), first_other.end(), c0), c0);
+    }
+  }
+  bool empty() const { return term.size() == 1; }
+  bool may_start(uint32_t c) const {
+    if (c < 128) return (first_ascii[c >> 6] >> (c & 63)) & 1;
+    return !first_other.empty() && std::binary_search(first_other.begin(), first_other.end(), c);
+  }
+  // Longest literal starting at i (its end), or -1; `id` receives its id.
+  template <class T>
+  int64_t longest(const T* s, int64_t i, int64_t n, int64_t& id) const {
+    int32_t node = 0;
+    int64_t best = -1;
+    for (int64_t j = i; j < n; ++j) {
+      auto it = edges.find((uint64_t(node) << 21) | uint32_t(s[j]));
+      if (it == edges.end()) break;
+      node = it->second;
+      if (term[node] >= 0) { best = j + 1; id = term[node]; }
+    }
+    return best;
+  }
+};
+
+struct Literal { int64_t a, b, id; };
+
+template <class T>
+void find_literals(const Trie& t, const T* s, int64_t lo, int64_t hi, std::vector<Literal>& out) {
+  int64_t i = lo;
+  while (i < hi) {
+    if (t.may_start(uint32_t(s[i]))) {
+      int64_t id = -1;
+      int64_t e = t.longest(s, i, hi, id);
+      if (e > 0) { out.push_back({i, e, id}); i = e; continue; }
+    }
+    ++i;
+  }
+}
+
+// -- piece cache (one per thread per engine: the Python side keeps it in a threading.local) ----
+struct PieceCache {
+  struct Slot { uint64_t h; uint32_t boff, blen, ioff, nids; };
+  std::vector<Slot> slots;
+  std::vector<uint8_t> bytes;
+  std::vector<uint32_t> ids;
+  size_t used = 0;
+  uint64_t mask = 0;
+  static constexpr size_t CAP = 1 << 17;
+  static constexpr size_t MAX_PIECE = 96;  // longer pieces are rare and not worth a slot
+  uint64_t hits = 0, misses = 0;
+
+  PieceCache() { clear(); }
+  void clear() {
+    slots.assign(CAP, Slot{EMPTY64, 0, 0, 0, 0});
+    bytes.clear();
+    ids.clear();
+    used = 0;
+    mask = CAP - 1;
+  }
+  const Slot* find(uint64_t h, const uint8_t* p, uint32_t n) const {
+    size_t i = size_t((h * GOLDEN) >> 40) & mask;
+    while (true) {
+      const Slot& s = slots[i];
+      if (s.h == EMPTY64) return nullptr;
+      if (s.h == h && s.blen == n && std::memcmp(&bytes[s.boff], p, n) == 0) return &s;
+      i = (i + 1) & mask;
+    }
+  }
+  void put(uint64_t h, const uint8_t* p, uint32_t n, const uint32_t* v, uint32_t nv) {
+    if (n > MAX_PIECE) return;
+    if (used * 2 >= CAP || bytes.size() > (64u << 20)) clear();
+    size_t i = size_t((h * GOLDEN) >> 40) & mask;
+    while (slots[i].h != EMPTY64) i = (i + 1) & mask;
+    slots[i] = Slot{h, uint32_t(bytes.size()), n, uint32_t(ids.size()), nv};
+    bytes.insert(bytes.end(), p, p + n);
+    ids.insert(ids.end(), v, v + nv);
+    ++used;
+  }
+};
+
+// -- the engine --------------------------------------------------------------------------------
+struct Output {
+  std::vector<uint32_t> ids;
+  std::vector<int64_t> starts;  // byte offset of each token in the UTF-8 text
+  bool want_starts = false;
+};
+
+enum Status : int { OK = 0, NEEDS_NFC = 1 };
+
+class Engine {
+ public:
+  Tables t;
+  Trie lit1, lit2;  // non-normalized, normalized literals
+  bool nfc = false;  // NFC family: text with a non-inert character goes back to Python
+  const uint32_t* lit_len = nullptr;  // unused placeholder for symmetry (literal byte lengths come from tok_off)
+
+  inline uint32_t cls(uint32_t cp) const { return t.cls[cp]; }
+
+  inline uint32_t pair(uint32_t a, uint32_t b, uint32_t& merged) const {
+    uint64_t key = (uint64_t(a) << 32) | b;
+    uint64_t i = (key * GOLDEN) >> (64 - t.pair_bits);
+    const uint64_t m = (1ull << t.pair_bits) - 1;
+    while (true) {
+      uint64_t k = t.pair_keys[i];
+      if (k == key) { merged = t.pair_merged[i]; return t.pair_rank[i]; }
+      if (k == EMPTY64) return EMPTY32;
+      i = (i + 1) & m;
+    }
+  }
+
+  inline int64_t vocab(uint64_t h, const uint8_t* p, uint32_t n) const {
+    if (int(n) > t.max_piece_lookup) return -1;
+    uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);
+    const uint64_t m = (1ull << t.vocab_bits) - 1;
+    while (true) {
+      uint64_t k = t.vocab_keys[i];
+      if (k == EMPTY64) return -1;
+      if (k == h) {
+        uint32_t id = t.vocab_ids[i];
+        if (id != EMPTY32) {
+          uint32_t o = t.tok_off[id], e = t.tok_off[id + 1];
+          if (e - o == n && std::memcmp(t.tok_blob + o, p, n) == 0) return id;
+        }
+      }
+      i = (i + 1) & m;
+    }
+  }
+
+  // BPE of one piece's bytes, appended to `out` (ids only).
+  void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, std::vector<uint32_t>& out) const {
+    if (n == 1) { out.push_back(t.byte_to_id[p[0]]); return; }
+    uint64_t h = FNV_OFFSET;
+    for (uint32_t i = 0; i < n; ++i) h = (h ^ p[i]) * FNV_PRIME;
+    if (t.whole_piece_lookup) {
+      int64_t id = vocab(h, p, n);
+      if (id >= 0) { out.push_back(uint32_t(id)); return; }
+    }
+    if (n <= PieceCache::MAX_PIECE) {
+      if (const PieceCache::Slot* s = cache.find(h, p, n)) {
+        ++cache.hits;
+        out.insert(out.end(), cache.ids.begin() + s->ioff, cache.ids.begin() + s->ioff + s->nids);
+        return;
+      }
+      ++cache.misses;
+    }
+    size_t base = out.size();
+    if (n <= 48) merge_small(p, n, out); else merge_heap(p, n, out);
+    cache.put(h, p, n, out.data() + base, uint32_t(out.size() - base));
+  }
+
+  // tiktoken's loop: the leftmost lowest-rank pair, merged one at a time (O(n^2), small n).
+  void merge_small(const uint8_t* p, uint32_t n, std::vector<uint32_t>& out) const {
+    uint32_t ids[48], rank[48], merged[48];
+    uint32_t m = n;
+    for (uint32_t i = 0; i < n; ++i) ids[i] = t.byte_to_id[p[i]];
+    for (uint32_t i = 0; i + 1 < m; ++i) rank[i] = pair(ids[i], ids[i + 1], merged[i]);
+    while (m > 1) {
+      uint32_t best = EMPTY32, at = 0;
+      for (uint32_t i = 0; i + 1 < m; ++i)
+        if (rank[i] < best) { best = rank[i]; at = i; }
+      if (best == EMPTY32) break;
+      ids[at] = merged[at];
+      for (uint32_t i = at + 1; i + 1 < m; ++i) { ids[i] = ids[i + 1]; rank[i] = rank[i + 1]; merged[i] = merged[i + 1]; }
+      --m;
+      if (at > 0) rank[at - 1] = pair(ids[at - 1], ids[at], merged[at - 1]);
+      if (at + 1 < m) rank[at] = pair(ids[at], ids[at + 1], merged[at]);
+    }
+    out.insert(out.end(), ids, ids + m);
+  }
+
+  // HF's `Word::merge_all`: a min-heap of (rank, position) with stale entries skipped (O(n log n)).
+  void merge_heap(const uint8_t* p, uint32_t n, std::vector<uint32_t>& out) const {
+    struct E { uint32_t rank, pos, merged; };
+    struct Cmp { bool operator()(const E& a, const E& b) const { return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos; } };
+    std::vector<uint32_t> id(n);
+    std::vector<int32_t> prv(n), nxt(n);
+    std::vector<uint8_t> alive(n, 1);
+    std::priority_queue<E, std::vector<E>, Cmp> q;
+    for (uint32_t i = 0; i < n; ++i) { id[i] = t.byte_to_id[p[i]]; prv[i] = int32_t(i) - 1; nxt[i] = i + 1 < n ? int32_t(i + 1) : -1; }
+    for (uint32_t i = 0; i + 1 < n; ++i) {
+      uint32_t mg, r = pair(id[i], id[i + 1], mg);
+      if (r != EMPTY32) q.push({r, i, mg});
+    }
+    while (!q.empty()) {
+      E top = q.top();
+      q.pop();
+      uint32_t a = top.pos;
+      if (!alive[a] || nxt[a] < 0) continue;
+      uint32_t b = uint32_t(nxt[a]), mg;
+      uint32_t r = pair(id[a], id[b], mg);
+      if (r == EMPTY32 || mg != top.merged) continue;  // stale (HF's check: the pair's merged id)
+      id[a] = mg;
+      alive[b] = 0;
+      nxt[a] = nxt[b];
+      if (nxt[b] >= 0) prv[nxt[b]] = int32_t(a);
+      if (prv[a] >= 0) {
+        uint32_t pa = uint32_t(prv[a]);
+        uint32_t r2 = pair(id[pa], id[a], mg);
+        if (r2 != EMPTY32) q.push({r2, pa, mg});
+      }
+      if (nxt[a] >= 0) {
+        uint32_t r2 = pair(id[a], id[uint32_t(nxt[a])], mg);
+        if (r2 != EMPTY32) q.push({r2, a, mg});
+      }
+    }
+    for (int32_t i = 0; i >= 0; i = nxt[i]) out.push_back(id[i]);
+  }
+
+  // -- pre-tokenizer scanners: piece ends for the segment s[a, b) -------------------------------
+  template <class T> static inline bool is_r(T c) { return c == '\r' || c == '\n'; }
+
+  // contraction suffix (?i:'s|'t|'re|'ve|'m|'ll|'d) at i: its end, or i
+  template <class T>
+  inline int64_t contraction(const T* s, int64_t i, int64_t b) const {
+    if (i + 1 >= b || s[i] != '\'') return i;
+    uint32_t f1 = (cls(s[i + 1]) >> FOLD_SHIFT) & 0xFF;
+    if (f1 == 's' || f1 == 't' || f1 == 'm' || f1 == 'd') return i + 2;
+    if (i + 2 < b) {
+      uint32_t f2 = (cls(s[i + 2]) >> FOLD_SHIFT) & 0xFF;
+      if ((f1 == 'r' && f2 == 'e') || (f1 == 'v' && f2 == 'e') || (f1 == 'l' && f2 == 'l')) return i + 3;
+    }
+    return i;
+  }
+
+  template <class T>
+  inline int64_t run(const T* s, int64_t i, int64_t b, uint32_t any, uint32_t none = 0) const {
+    while (i < b) {
+      uint32_t c = cls(s[i]);
+      if (!(c & any) || (c & none)) break;
+      ++i;
+    }
+    return i;
+  }
+
+  // whitespace alternatives at i (s[i] is \s): \s*[\r\n]+ | \s+(?!\S) | \s+  (tt: \s++$ first)
+  template <class T>
+  inline int64_t whitespace(const T* s, int64_t i, int64_t b, bool tt) const {
+    int64_t e = run(s, i, b, W);
+    if (tt && e == b) return b;
+    for (int64_t r = e - 1; r >= i; --r)
+      if (is_r(s[r])) return r + 1;
+    if (e == b) return e;
+    if (e - i >= 2) return e - 1;
+    return i + 1;
+  }
+
+  // cl100k (HF and tiktoken forms) and Qwen: one piece's end from scan position i
+  template <class T>
+  int64_t match_cl(const T* s, int64_t i, int64_t b) const {
+    T cp = s[i];
+    uint32_t c = cls(cp);
+    int64_t e = contraction(s, i, b);
+    if (e > i) return e;
+    if (c & L) return run(s, i + 1, b, L);
+    if (!is_r(cp) && !(c & (L | N)) && i + 1 < b && (cls(s[i + 1]) & L)) return run(s, i + 2, b, L);
+    if (c & N) {
+      int64_t lim = std::min<int64_t>(b, i + (t.rules == QWEN ? 1 : 3));
+      int64_t j = i + 1;
+      while (j < lim && (cls(s[j]) & N)) ++j;
+      return j;
+    }
+    int64_t j = i;
+    if (cp == ' ' && i + 1 < b && !(cls(s[i + 1]) & (W | L | N))) j = i + 1;
+    if (!(cls(s[j]) & (W | L | N))) {
+      int64_t k = j + 1;
+      while (k < b && !(cls(s[k]) & (W | L | N))) ++k;
+      while (k < b && is_r(s[k])) ++k;
+      return k;
+    }
+    return whitespace(s, i, b, t.rules == CL100K_TT);
+  }
+
+  // o200k: U* l+ from j (with U*'s backtracking), its end or -1
+  template <class T>
+  inline int64_t upper_lower(const T* s, int64_t j, int64_t b) const {
+    int64_t u = run(s, j, b, UP);
+    if (u < b && (cls(s[u]) & LO)) return run(s, u + 1, b, LO);
+    for (int64_t k = u - 1; k >= j; --k)
+      if (cls(s[k]) & LO) return k + 1;  // the last B of the U run; nothing after it is l
+    return -1;
+  }
+
+  template <class T>
+  int64_t match_o200k(const T* s, int64_t i, int64_t b) const {
+    T cp = s[i];
+    uint32_t c = cls(cp);
+    bool x = !is_r(cp) && !(c & (L | N));
+    int64_t e;
+    // (1) X? U* l+ C?
+    if (x && i + 1 < b && (e = upper_lower(s, i + 1, b)) >= 0) return contraction(s, e, b);
+    if ((e = upper_lower(s, i, b)) >= 0) return contraction(s, e, b);
+    // (2) X? U+ l* C?
+    if (x && i + 1 < b && (cls(s[i + 1]) & UP)) return contraction(s, run(s, run(s, i + 2, b, UP), b, LO), b);
+    if (c & UP) return contraction(s, run(s, run(s, i + 1, b, UP), b, LO), b);
+    // (3) N{1,3}
+    if (c & N) {
+      int64_t lim = std::min<int64_t>(b, i + 3), j = i + 1;
+      while (j < lim && (cls(s[j]) & N)) ++j;
+      return j;
+    }
+    // (4) ' ?Q+[\r\n/]*'
+    int64_t j = i;
+    if (cp == ' ' && i + 1 < b && !(cls(s[i + 1]) & (W | L | N))) j = i + 1;
+    if (!(cls(s[j]) & (W | L | N))) {
+      int64_t k = j + 1;
+      while (k < b && !(cls(s[k]) & (W | L | N))) ++k;
+      while (k < b && (is_r(s[k]) || s[k] == '/')) ++k;
+      return k;
+    }
+    return whitespace(s, i, b, false);
+  }
+
+  template <class T> static inline bool ascii_letter(T c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z'); }
+  template <class T> static inline bool ascii_punct(T c) {
+    return (c >= '!' && c <= '/') || (c >= ':' && c <= '@') || (c >= '[' && c <= '`') || (c >= '{' && c <= '~');
+  }
+
+  // DeepSeek stage 3 on the segment [., b): one match's end from i, or -1 (i is a gap character)
+  template <class T>
+  int64_t match_ds3(const T* s, int64_t i, int64_t b) const {
+    T cp = s[i];
+    uint32_t c = cls(cp);
+    if (ascii_punct(cp) && i + 1 < b && ascii_letter(s[i + 1])) {
+      int64_t j = i + 2;
+      while (j < b && ascii_letter(s[j])) ++j;
+      return j;
+    }
+    bool x = !is_r(cp) && !(c & (L | PS));
+    if (x && i + 1 < b && (cls(s[i + 1]) & (L | M))) return run(s, i + 2, b, L | M);
+    if (c & (L | M)) return run(s, i + 1, b, L | M);
+    int64_t j = i;
+    if (cp == ' ' && i + 1 < b && (cls(s[i + 1]) & PS)) j = i + 1;
+    if (cls(s[j]) & PS) {
+      int64_t k = run(s, j + 1, b, PS);
+      while (k < b && is_r(s[k])) ++k;
+      return k;
+    }
+    if (c & W) return whitespace(s, i, b, false);
+    return -1;
+  }
+
+  // Piece boundaries of the literal-free segment [a, b): calls piece(start, end) in order.
+  template <class T, class F>
+  void pretokenize(const T* s, int64_t a, int64_t b, F&& piece) const {
+    if (t.rules == DEEPSEEK) { pretok_deepseek(s, a, b, piece); return; }
+    int64_t i = a;
+    if (t.rules == O200K) {
+      while (i < b) { int64_t e = match_o200k(s, i, b); piece(i, e); i = e; }
+    } else {
+      while (i < b) { int64_t e = match_cl(s, i, b); piece(i, e); i = e; }
+    }
+  }
+
+  template <class T, class F>
+  void ds_stage3(const T* s, int64_t a, int64_t b, F&& piece) const {
+    int64_t i = a, gap = -1;
+    while (i < b) {
+      int64_t e = match_ds3(s, i, b);
+      if (e < 0) { if (gap < 0) gap = i; ++i; continue; }
+      if (gap >= 0) { piece(gap, i); gap = -1; }
+      piece(i, e);
+      i = e;
+    }
+    if (gap >= 0) piece(gap, b);
+  }
+
+  template <class T, class F>
+  void ds_stage2(const T* s, int64_t a, int64_t b, F&& piece) const {
+    int64_t i = a;
+    while (i < b) {  // K runs are matches, the stretches between them gaps: each is a piece
+      bool k = cls(s[i]) & K;
+      int64_t e = i + 1;
+      while (e < b && bool(cls(s[e]) & K) == k) ++e;
+      ds_stage3(s, i, e, piece);
+      i = e;
+    }
+  }
+
+  template <class T, class F>
+  void pretok_deepseek(const T* s, int64_t a, int64_t b, F&& piece) const {
+    int64_t i = a;
+    while (i < b) {  // stage 1: \p{N}{1,3} matches and the gaps between them
+      int64_t e = i + 1;
+      if (cls(s[i]) & N) {
+        while (e < b && e < i + 3 && (cls(s[e]) & N)) ++e;
+      } else {
+        while (e < b && !(cls(s[e]) & N)) ++e;
+      }
+      ds_stage2(s, i, e, piece);
+      i = e;
+    }
+  }
+
+  // -- whole texts -------------------------------------------------------------------------------
+  // Encode the code points s[0, n) (a str's PEP 393 data: T = uint8_t, uint16_t or uint32_t).
+  template <class T>
+  int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out) const {
+    if (check_nfc && nfc && !ascii) {
+      for (int64_t i = 0; i < n; ++i)
+        if (s[i] >= 0x80 && !(cls(s[i]) & NFC_INERT)) return NEEDS_NFC;
+    }
+    std::vector<Literal> lits;
+    if (!lit1.empty()) find_literals(lit1, s, 0, n, lits);
+    if (!lit2.empty()) {
+      std::vector<Literal> more;
+      int64_t pos = 0;
+      for (const Literal& l : lits) { find_literals(lit2, s, pos, l.a, more); pos = l.b; }
+      find_literals(lit2, s, pos, n, more);
+      if (!more.empty()) {
+        lits.insert(lits.end(), more.begin(), more.end());
+        std::sort(lits.begin(), lits.end(), [](const Literal& x, const Literal& y) { return x.a < y.a; });
+      }
+    }
+    out.ids.reserve(out.ids.size() + size_t(n / 3) + 16);
+    if (out.want_starts) out.starts.reserve(out.ids.capacity());
+    std::vector<uint8_t> scratch;
+    int64_t bytepos = 0;  // UTF-8 offset of the character at `char_pos`
+    int64_t char_pos = 0;
+    auto advance_to = [&](int64_t ci) {  // bytepos of character ci (ascending calls)
+      if (ascii) { bytepos = ci; char_pos = ci; return; }
+      for (; char_pos < ci; ++char_pos) {
+        uint32_t c = uint32_t(s[char_pos]);
+        bytepos += c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4;
+      }
+    };
+    auto piece = [&](int64_t pa, int64_t pb) {
+      const uint8_t* p;
+      uint32_t len;
+      if (ascii && sizeof(T) == 1) {
+        p = reinterpret_cast<const uint8_t*>(s) + pa;
+        len = uint32_t(pb - pa);
+      } else {
+        scratch.clear();
+        for (int64_t i = pa; i < pb; ++i) put_utf8(uint32_t(s[i]), scratch);
+        p = scratch.data();
+        len = uint32_t(scratch.size());
+      }
+      size_t first = out.ids.size();
+      bpe(p, len, cache, out.ids);
+      if (out.want_starts) {
+        advance_to(pa);
+        int64_t off = bytepos;
+        for (size_t k = first; k < out.ids.size(); ++k) {
+          out.starts.push_back(off);
+          off += t.tok_off[out.ids[k] + 1] - t.tok_off[out.ids[k]];
+        }
+      }
+    };
+    int64_t pos = 0;
+    for (const Literal& l : lits) {
+      if (l.a > pos) pretokenize(s, pos, l.a, piece);
+      if (out.want_starts) { advance_to(l.a); out.starts.push_back(bytepos); }
+      out.ids.push_back(uint32_t(l.id));
+      pos = l.b;
+    }
+    if (pos < n) pretokenize(s, pos, n, piece);
+    return OK;
+  }
+
+  // Piece boundaries only (character offsets; literals are pieces too): for the campaigns.
+  template <class T>
+  void pieces(const T* s, int64_t n, std::vector<int64_t>& starts, std::vector<int64_t>& lit_flags) const {
+    std::vector<Literal> lits;
+    if (!lit1.empty()) find_literals(lit1, s, 0, n, lits);
+    auto piece = [&](int64_t pa, int64_t) { starts.push_back(pa); lit_flags.push_back(-1); };
+    int64_t pos = 0;
+    for (const Literal& l : lits) {
+      if (l.a > pos) pretokenize(s, pos, l.a, piece);
+      starts.push_back(l.a);
+      lit_flags.push_back(l.id);
+      pos = l.b;
+    }
+    if (pos < n) pretokenize(s, pos, n, piece);
+  }
+
+  static inline void put_utf8(uint32_t c, std::vector<uint8_t>& o) {
+    if (c < 0x80) o.push_back(uint8_t(c));
+    else if (c < 0x800) { o.push_back(uint8_t(0xC0 | (c >> 6))); o.push_back(uint8_t(0x80 | (c & 0x3F))); }
+    else if (c < 0x10000) {
+      o.push_back(uint8_t(0xE0 | (c >> 12))); o.push_back(uint8_t(0x80 | ((c >> 6) & 0x3F)));
+      o.push_back(uint8_t(0x80 | (c & 0x3F)));
+    } else {
+      o.push_back(uint8_t(0xF0 | (c >> 18))); o.push_back(uint8_t(0x80 | ((c >> 12) & 0x3F)));
+      o.push_back(uint8_t(0x80 | ((c >> 6) & 0x3F))); o.push_back(uint8_t(0x80 | (c & 0x3F)));
+    }
+  }
+};
+
+}  // namespace ttn
