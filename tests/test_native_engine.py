@@ -379,7 +379,8 @@ def test_lane_declines_what_it_cannot_certify(tally):
     tok = get_tokenizer("llama3")
     s = _append_session(tok, "=" * 2000, ["=" * 10, "a" * 7, " " * 300], tally)  # one-byte runs: Python path
     assert s.stats.first_window + s.stats.widened + s.stats.full > s.stats.lane
-    status, *_ = tok.native.append_lane(bytearray(b"x" * 300), "\u00e9".encode() * 3, np.zeros(0, np.uint32), 256)
+    z = np.zeros(0, np.uint32)
+    status, *_ = tok.native.edit_lane(bytearray(b"x" * 300), 300, 300, "\u00e9".encode() * 3, z, z, 64, 256)
     assert status != 0  # no tokens: nothing to splice against
 
 
@@ -399,3 +400,43 @@ def test_a_lane_with_a_wrong_engine_is_caught(tally):
     text += " = 1234567"
     assert not np.array_equal(s.append(" = 1234567").ids, tok.engine.encode(text))
     assert s.stats.lane == 1
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@SETTINGS
+@given(data=st.data())
+def test_lane_edits_anywhere_are_exact(name, data, tally):
+    # Inserts, deletions and replacements at random places of a real text: every op checked.
+    tok = get_tokenizer(name)
+    text = _stable(tok, large_text(6_000, seed=data.draw(st.integers(0, 3)), kind="mixed"))
+    s = toktier.Session(tok, text)
+    for _ in range(data.draw(st.integers(1, 6))):
+        a = data.draw(st.integers(0, len(text)))
+        b = data.draw(st.integers(a, min(len(text), a + 300)))
+        new = _stable(tok, data.draw(adv))
+        r = s.edit(a, b, new)
+        text = text[:a] + new + text[b:]
+        assert s.text == text
+        assert np.array_equal(r.ids, tok.engine.encode(text)), f"{tok.name}: edit [{a}, {b}) <- {new[:40]!r}"
+        tally(tok, "session", 1)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_lane_serves_most_edits_of_real_text(name, tally):
+    tok = get_tokenizer(name)
+    text = _stable(tok, large_text(50_000, kind="code"))
+    s = toktier.Session(tok, text)
+    import random
+
+    rng = random.Random(7)
+    for i in range(60):
+        a = rng.randrange(len(text))
+        b = min(len(text), a + rng.randrange(0, 200))
+        new = _stable(tok, large_text(rng.randrange(1, 400), seed=i, kind="code"))
+        r = s.edit(a, b, new)
+        text = text[:a] + new + text[b:]
+        if i % 6 == 0:
+            assert np.array_equal(r.ids, tok.engine.encode(s.text))
+            tally(tok, "session", 1)
+    assert np.array_equal(r.ids, tok.engine.encode(s.text))
+    assert s.stats.lane >= 40, s.stats

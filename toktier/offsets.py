@@ -41,6 +41,10 @@ class SparseOffsets:
         new._cp.assign(self._cp.view())
         return new
 
+    def checkpoints(self) -> np.ndarray:
+        """The checkpoints (uint32 view: the byte start of every `STRIDE`-th token), for compiled readers."""
+        return self._cp.view()
+
     def reserve_for(self, n_tokens: int) -> None:
         """Allocate for `n_tokens` tokens now (so a later rebuild cannot fail half-way)."""
         self._cp.reserve(-(-n_tokens // STRIDE))

@@ -68,7 +68,7 @@ from .errors import InvalidEditRange, InvalidState, InvalidText
 from .families import I
 from .fullpath import FullPath
 from .nfc_spans import SpanMap, nfc_spans
-from .offsets import SparseOffsets
+from .offsets import STRIDE, SparseOffsets
 from .repair_window import WindowContext, case_table_of, char_at, digit_table_of, run_edge
 from .registry import FrozenTokenizer
 
@@ -109,7 +109,7 @@ class SessionStats:
     widenings: int = 0
     glued: int = 0  # splices cut inside a long piece (``families/glue.py``), counted in first_window/widened too
     tokens_retokenized: int = 0  # tokens produced by window or full encodes
-    lane: int = 0  # first-window appends spliced by the compiled lane (counted in first_window too)
+    lane: int = 0  # first-window splices done by the compiled lane (counted in first_window too)
     full_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -439,18 +439,18 @@ class Session:
         tok = self.tokenizer
         T = self._text
         n_old = len(T)
-        if (s == e == n_old and not self._dirty and self._ids.n and tok.engine_label == "native"
-                and not self.full_path.is_parallel(len(data) + self.window, tok)):
-            # An append: the compiled lane does the first window's splice in one call, with the
-            # same certificate; when it declines, the path below runs from scratch.  (Appends the
-            # full path would parallelize, or send to a GPU, go below: their window goes there.)
-            status, k1, q, nfresh, mid = tok.native.append_lane(T, data, self._ids.view(), self.window)
+        if (not self._dirty and self._ids.n and tok.engine_label == "native"
+                and not self.full_path.is_parallel(len(data) + 2 * self.window, tok)):
+            # The compiled lane does the first window's splice in one call, with the same
+            # certificate; when it declines, the path below runs from scratch.  (Changes the full
+            # path would parallelize, or send to a GPU, go below: their window goes there.)
+            status, k1, k2, q1, q2, nfresh, mid = tok.native.edit_lane(
+                T, s, e, data, self._ids.view(), self._starts.checkpoints(), STRIDE, self.window)
             self.stats.tokens_retokenized += nfresh
             if status == 0:
-                left = _Side(True, k1, 0, q)
-                right = _Side(True, self._ids.n, 0, n_old + len(data))
                 self.stats.lane += 1
-                return self._commit(s, e, data, dchars, left, right, mid, len(data), 0, [])
+                return self._commit(s, e, data, dchars, _Side(True, k1, 0, q1), _Side(True, k2, 0, q2), mid,
+                                    len(data) - (e - s), 0, [])
         lx = len(data)
         delta = lx - (e - s)
         nfc = tok.family_info.nfc

@@ -75,7 +75,7 @@ class NativeEngine:
         return ids, starts
 
     def lane(self):
-        """The compiled first-window splice of appends (``repair.hpp``), built once per engine."""
+        """The compiled first-window splice of edits and appends (``repair.hpp``), built once per engine."""
         lane = self._lane
         if lane is None:
             tok = self._tok
@@ -89,9 +89,11 @@ class NativeEngine:
                 tok.max_token_bytes, [lit.content for lit in tok.engine.literals if lit.content])
         return lane
 
-    def append_lane(self, text: bytearray, data: bytes, ids: np.ndarray, window: int):
-        """(status, k1, q, fresh count, mid) of the compiled append splice (`RepairLane.append`)."""
-        return self.lane().append(text, data, ids, window, self._cache())
+    def edit_lane(self, text: bytearray, s: int, e: int, data: bytes, ids: np.ndarray, checkpoints: np.ndarray,
+                  stride: int, window: int):
+        """(status, k1, k2, left cut, right cut, fresh count, mid) of the compiled first-window splice
+        (`RepairLane.edit`)."""
+        return self.lane().edit(text, s, e, data, ids, checkpoints, stride, window, window, self._cache())
 
     def pieces(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(piece start character offsets, literal id per piece or -1) of the native pre-tokenizer."""

@@ -230,15 +230,22 @@ cdef extern from "repair.hpp" namespace "ttn":
 
     cdef cppclass LaneResult:
         int status
-        int64_t k1, q, fresh
+        int64_t k1, k2, q, q2, fresh
         vector[uint32_t] mid
+
+    cdef cppclass Cached "ttn::Lane::Cached":
+        const uint32_t* ids
+        int64_t N
+        const uint32_t* cp
+        int64_t n_cp, stride
+        const uint32_t* len
 
     cdef cppclass Lane:
         const Engine* eng
         LaneTables t
         Trie lit_bytes
-        int append(const uint8_t* T, int64_t n_old, const uint8_t* data, int64_t n_data, const uint32_t* ids,
-                   int64_t N, int64_t wl, PieceCache& cache, LaneResult& res) except + nogil
+        int edit(const uint8_t* T, int64_t n_old, int64_t s, int64_t e, const uint8_t* data, int64_t n_data,
+                 const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, LaneResult& res) except + nogil
 
 
 LANE_STATUS = {0: "ok", 1: "no certified cut in the first window", 2: "one-byte run before the change",
@@ -247,7 +254,7 @@ LANE_STATUS = {0: "ok", 1: "no certified cut in the first window", 2: "one-byte 
 
 
 cdef class RepairLane:
-    """The compiled first-window splice of an append (``repair.hpp``) for one tokenizer."""
+    """The compiled first-window splice of an edit or append (``repair.hpp``) for one tokenizer."""
 
     cdef Lane* lane
     cdef object _keep
@@ -288,20 +295,28 @@ cdef class RepairLane:
             self.lane.lit_bytes.add(&bs[0], len(bs), 1)
         self.lane.t.max_literal = longest
 
-    def append(self, text, bytes data, ids, int64_t wl, PieceCacheBox cache):
-        """(status, k1, q, fresh count, mid ids or None) for appending `data` to `text` (a bytearray
-        or bytes, the session's UTF-8 text) whose tokens are `ids` (uint32, contiguous)."""
+    def edit(self, text, int64_t s, int64_t e, bytes data, ids, checkpoints, int64_t stride, int64_t wl,
+             int64_t wr, PieceCacheBox cache):
+        """(status, k1, k2, left cut, right cut, fresh count, mid ids or None) for replacing bytes
+        [s, e) of `text` (the session's UTF-8 text, bytearray or bytes) by `data`; `ids` are its
+        tokens (uint32, contiguous) and `checkpoints` the byte start of every `stride`-th token."""
         cdef const uint8_t[::1] T = text
         cdef const uint32_t[::1] I = ids
+        cdef const uint32_t[::1] CP = checkpoints
         cdef const uint8_t* d = data
         cdef LaneResult res
+        cdef Cached C
         cdef int64_t n_old = len(T), n_data = len(data), N = len(I)
-        cdef const uint8_t* tp = &T[0] if n_old else NULL
-        cdef const uint32_t* ip = &I[0] if N else NULL
-        if n_old == 0 or N == 0:
-            return 1, 0, 0, 0, None
+        if n_old == 0 or N == 0 or len(CP) != (N + stride - 1) // stride or not 0 <= s <= e <= n_old:
+            return 1, 0, 0, 0, 0, 0, None
+        C.ids = &I[0]
+        C.N = N
+        C.cp = &CP[0]
+        C.n_cp = len(CP)
+        C.stride = stride
+        C.len = self.lane.t.token_len
         with nogil:
-            self.lane.append(tp, n_old, d, n_data, ip, N, wl, cache.c[0], res)
+            self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], res)
         if res.status != 0:
-            return res.status, 0, 0, res.fresh, None
-        return 0, res.k1, res.q, res.fresh, _u32(res.mid.data(), res.mid.size())
+            return res.status, 0, 0, 0, 0, res.fresh, None
+        return 0, res.k1, res.k2, res.q, res.q2, res.fresh, _u32(res.mid.data(), res.mid.size())

@@ -46,7 +46,9 @@ struct LaneTables {
 struct LaneResult {
   int status = LANE_NO_RUN;
   int64_t k1 = 0;       // cached index of the first replaced token
-  int64_t q = 0;        // byte position of the cut
+  int64_t k2 = 0;       // cached index of the first kept token after the change
+  int64_t q = 0;        // byte position of the left cut (new text)
+  int64_t q2 = 0;       // byte position of the right cut (new text)
   int64_t fresh = 0;    // tokens encoded in the window
   std::vector<uint32_t> mid;  // fresh tokens from the cut to the end
 };
@@ -101,9 +103,75 @@ class Lane {
     return false;
   }
 
-  int append(const uint8_t* T, int64_t n_old, const uint8_t* data, int64_t n_data, const uint32_t* ids,
-             int64_t N, int64_t wl, PieceCache& cache, LaneResult& res) const {
-    const int64_t s = n_old;
+  // -- cached token starts from the session's checkpoints (one per `stride` tokens) ----------
+  struct Cached {
+    const uint32_t* ids;
+    int64_t N;
+    const uint32_t* cp;  // cp[j] = byte start of token j * stride
+    int64_t n_cp, stride;
+    const uint32_t* len;
+    // first token starting at or after byte `pos`, and its start (N and the text end if none)
+    void locate(int64_t pos, int64_t& k, int64_t& start) const {
+      int64_t j = int64_t(std::upper_bound(cp, cp + n_cp, uint32_t(std::min<int64_t>(pos, 0xFFFFFFFF))) - cp) - 1;
+      if (j < 0) { k = 0; start = 0; }
+      else { k = j * stride; start = cp[j]; }
+      while (k < N && start < pos) { start += len[ids[k]]; ++k; }
+    }
+    int64_t start_of(int64_t k) const {  // byte start of token k (k < N)
+      int64_t j = k / stride, st = cp[j];
+      for (int64_t x = j * stride; x < k; ++x) st += len[ids[x]];
+      return st;
+    }
+  };
+
+  struct Run { int64_t c0, f0, len; };
+
+  // Agreeing runs of cached tokens k_lo + i (start cs[i], new coordinates) and fresh tokens
+  // j (start fs[j] + p), both restricted to [lo, hi): maximal, consecutive on both sides.
+  static void runs_of(const std::vector<int64_t>& cs, const uint32_t* cids, const std::vector<int64_t>& fs,
+                      const std::vector<uint32_t>& fresh, int64_t j0, int64_t p, std::vector<Run>& runs) {
+    int64_t i = 0, j = j0, li = -2, lj = -2;
+    const int64_t nc = int64_t(cs.size()), nf = int64_t(fs.size());
+    while (i < nc && j < nf) {
+      int64_t a = cs[i], b = fs[j] + p;
+      if (a < b) { ++i; continue; }
+      if (b < a) { ++j; continue; }
+      if (cids[i] == fresh[j]) {
+        if (li == i - 1 && lj == j - 1 && !runs.empty()) ++runs.back().len;
+        else runs.push_back({i, j, 1});
+        li = i;
+        lj = j;
+      }
+      ++i;
+      ++j;
+    }
+    std::sort(runs.begin(), runs.end(), [](const Run& x, const Run& y) {
+      return x.len != y.len ? x.len > y.len : x.c0 > y.c0;
+    });
+  }
+
+  // Whether new-text position q (a cached token start in the window) is a certified boundary.
+  bool certified(int64_t q, int64_t p, const std::vector<uint32_t>& cps, const std::vector<int64_t>& at,
+                 const std::vector<uint8_t>& buf_new, const std::vector<uint8_t>& buf_old, int64_t lo,
+                 int64_t old_q) const {
+    const int64_t wq = q - p;
+    auto it = std::lower_bound(at.begin(), at.end(), wq);
+    if (it == at.end() || *it != wq || it == at.begin()) return false;  // a character start inside the window
+    const size_t ci = size_t(it - at.begin());
+    const int64_t pi = int64_t((uint32_t(t.group[cps[ci - 1]]) << 4) | t.group[cps[ci]]);
+    if (pi >= t.n_pairs || !t.pairs[pi]) return false;
+    if (!lit_bytes.empty()) {
+      if (crossed(buf_new.data(), int64_t(buf_new.size()), q - lo)) return false;
+      if (crossed(buf_old.data(), int64_t(buf_old.size()), old_q - lo)) return false;
+    }
+    return true;
+  }
+
+  // The first-window splice of replacing bytes [s, e) of T by `data` (see the file comment).
+  int edit(const uint8_t* T, int64_t n_old, int64_t s, int64_t e, const uint8_t* data, int64_t n_data,
+           const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, LaneResult& res) const {
+    const int64_t N = C.N;
+    const int64_t delta = n_data - (e - s);
     if (s >= 2 * wl && T[s - 1] < 0x80) {
       bool same = true;
       for (int64_t i = s - wl; i < s && same; ++i) same = T[i] == T[s - 1];
@@ -111,18 +179,30 @@ class Lane {
     }
     int64_t p = std::max<int64_t>(0, s - wl);
     while (p > 0 && (T[p] & 0xC0) == 0x80) --p;
-    // the cached token holding p, walking back from the end: starts[k_lo..N)
-    int64_t k = N, pos = n_old;
-    while (k > 0 && pos > p) { --k; pos -= t.token_len[ids[k]]; }
-    if (pos < 0) return res.status = LANE_TILING;  // the session's tokens do not tile its text
-    if (k < N && pos < p) p = pos;  // p moved to the start of the token holding it
+    int64_t r = std::min<int64_t>(n_old, e + wr);
+    while (r < n_old && (T[r] & 0xC0) == 0x80) ++r;
+    // edges at cached token starts (`Session._token_edges`)
+    int64_t k, st;
+    if (p > 0) {
+      C.locate(p, k, st);
+      if (k > 0) {
+        int64_t q = C.start_of(k - 1);
+        if (q <= p) p = q;
+      }
+    }
+    if (r < n_old) {
+      C.locate(r, k, st);
+      int64_t q = k < N ? st : n_old;
+      if (q >= r) r = q;
+    }
     while (p > 0 && (T[p] & 0xC0) == 0x80) --p;
-    // cached tokens starting at or after p
-    int64_t k_lo = k, c_pos = pos;
-    while (k_lo < N && c_pos < p) { c_pos += t.token_len[ids[k_lo]]; ++k_lo; }
-    // the window, its code points and their byte offsets
-    std::vector<uint8_t> win(T + p, T + n_old);
+    while (r < n_old && (T[r] & 0xC0) == 0x80) ++r;
+    p = std::min(p, s);
+    r = std::max(r, e);
+    // the window: new text [p, r + delta)
+    std::vector<uint8_t> win(T + p, T + s);
     win.insert(win.end(), data, data + n_data);
+    win.insert(win.end(), T + e, T + r);
     std::vector<uint32_t> cps;
     std::vector<int64_t> at;
     if (!decode_utf8(win.data(), int64_t(win.size()), cps, at)) return res.status = LANE_BAD_UTF8;
@@ -134,81 +214,102 @@ class Lane {
       return res.status = LANE_NFC;
     const std::vector<uint32_t>& fresh = out.ids;
     const std::vector<int64_t>& fst = out.starts;  // window-local
-    res.fresh = int64_t(fresh.size());
+    const int64_t nf = int64_t(fresh.size());
+    res.fresh = nf;
     for (uint32_t id : fresh)
       if (id >= uint32_t(t.n_ids) || t.uncertain[id]) return res.status = LANE_UNCERTAIN;
-    // agreeing runs (cached k >= k_lo starting before s; fresh j starting before s - p)
-    struct Run { int64_t c0, f0, len; };
-    std::vector<Run> runs;
-    std::vector<int64_t> cstart;  // byte start of cached token k_lo + i
-    {
-      int64_t cp_ = c_pos;
-      for (int64_t kk = k_lo; kk < N; ++kk) { cstart.push_back(cp_); cp_ += t.token_len[ids[kk]]; }
-    }
-    const int64_t nc = int64_t(cstart.size());
-    int64_t i = 0, j = 0, last_i = -2, last_j = -2;
-    while (i < nc && j < int64_t(fst.size())) {
-      int64_t a = cstart[i], b = fst[j] + p;
-      if (a >= s || b >= s) break;
-      if (a < b) { ++i; continue; }
-      if (b < a) { ++j; continue; }
-      if (ids[k_lo + i] == fresh[j]) {
-        if (last_i == i - 1 && last_j == j - 1 && !runs.empty()) ++runs.back().len;
-        else runs.push_back({i, j, 1});
-        last_i = i;
-        last_j = j;
-      }
-      ++i;
-      ++j;
-    }
-    std::sort(runs.begin(), runs.end(), [](const Run& x, const Run& y) {
-      return x.len != y.len ? x.len > y.len : x.c0 > y.c0;
-    });
-    // new-text and old-text buffers for the literal checks (they reach max_literal around p)
+    // literal buffers: new text [lo, hi_old + delta), old text [lo, hi_old)
     const int64_t lo = std::max<int64_t>(0, p - t.max_literal);
+    const int64_t hi_old = std::min<int64_t>(n_old, r + t.max_literal);
     std::vector<uint8_t> buf_new, buf_old;
     if (!lit_bytes.empty()) {
-      buf_old.assign(T + lo, T + n_old);
-      buf_new = buf_old;
+      buf_old.assign(T + lo, T + hi_old);
+      buf_new.assign(T + lo, T + s);
       buf_new.insert(buf_new.end(), data, data + n_data);
+      buf_new.insert(buf_new.end(), T + e, T + hi_old);
     }
-    for (const Run& r : runs) {
-      if (r.len < 2) continue;
-      const int64_t last = r.c0 + r.len - 1;
-      if (cstart[last] + t.token_len[ids[k_lo + last]] - cstart[r.c0] <= t.max_token_bytes) continue;
-      for (int64_t m = r.c0 + r.len - 1; m >= r.c0 + 1; --m) {  // the latest good candidate wins
-        const int64_t q = cstart[m];
-        if (q <= p || q >= s) continue;
-        // q must be a character start inside the window, not its first character
-        int64_t wq = q - p;
-        auto it = std::lower_bound(at.begin(), at.end(), wq);
-        if (it == at.end() || *it != wq || it == at.begin()) continue;
-        const size_t ci = size_t(it - at.begin());
-        const uint32_t gx = t.group[cps[ci - 1]], gy = t.group[cps[ci]];
-        const int64_t pi = int64_t((gx << 4) | gy);
-        if (pi >= t.n_pairs || !t.pairs[pi]) continue;
-        if (!lit_bytes.empty()) {
-          if (crossed(buf_new.data(), int64_t(buf_new.size()), q - lo)) continue;
-          if (crossed(buf_old.data(), int64_t(buf_old.size()), q - lo)) continue;
+    // left side: cached tokens starting in [p, s), fresh ones starting before s
+    int64_t lk = 0, lj = 0, lq = 0;
+    if (p > 0) {
+      int64_t k_lo, c0s, k_hi, c1s;
+      C.locate(p, k_lo, c0s);
+      C.locate(s, k_hi, c1s);
+      std::vector<int64_t> cs;
+      for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a); a += C.len[C.ids[x]]; }
+      std::vector<int64_t> fs;
+      for (int64_t j = 0; j < nf && fst[j] + p < s; ++j) fs.push_back(fst[j]);
+      std::vector<Run> runs;
+      runs_of(cs, C.ids + k_lo, fs, fresh, 0, p, runs);
+      bool found = false;
+      for (const Run& rn : runs) {
+        if (rn.len < 2) continue;
+        const int64_t last = rn.c0 + rn.len - 1;
+        if (cs[last] + C.len[C.ids[k_lo + last]] - cs[rn.c0] <= t.max_token_bytes) continue;
+        for (int64_t m = last; m >= rn.c0 + 1; --m) {  // the latest certified start wins
+          const int64_t q = cs[m];
+          if (q <= p || q >= s) continue;
+          if (!certified(q, p, cps, at, buf_new, buf_old, lo, q)) continue;
+          lk = k_lo + m;
+          lj = rn.f0 + (m - rn.c0);
+          lq = q;
+          found = true;
+          break;
         }
-        const int64_t f = r.f0 + (m - r.c0);
-        // the fresh tokens' bytes from the cut are the rest of the new text, byte for byte
-        int64_t w = q - p;
-        for (size_t x = size_t(f); x < fresh.size(); ++x) {
-          const uint32_t o = eng->t.tok_off[fresh[x]], len = eng->t.tok_off[fresh[x] + 1] - o;
-          if (len != t.token_len[fresh[x]] || w + len > int64_t(win.size()) ||
-              std::memcmp(eng->t.tok_blob + o, win.data() + w, len) != 0)
-            return res.status = LANE_TILING;
-          w += len;
-        }
-        if (w != int64_t(win.size())) return res.status = LANE_TILING;
-        res.k1 = k_lo + m;
-        res.q = q;
-        res.mid.assign(fresh.begin() + f, fresh.end());
-        return res.status = LANE_OK;
+        if (found) break;
       }
+      if (!found) return res.status = LANE_NO_RUN;
     }
-    return res.status = LANE_NO_RUN;
+    // right side: cached tokens starting in [e, r), shifted to new coordinates; fresh ones
+    // starting at or after the new middle's end
+    const int64_t mid_end = s + n_data;
+    int64_t rk = N, rj = nf, rq = n_old + delta;
+    if (r < n_old) {
+      int64_t k_lo, c0s, k_hi, c1s;
+      C.locate(e, k_lo, c0s);
+      C.locate(r, k_hi, c1s);
+      std::vector<int64_t> cs;
+      for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a + delta); a += C.len[C.ids[x]]; }
+      int64_t j_lo = 0;
+      while (j_lo < nf && fst[j_lo] + p < mid_end) ++j_lo;
+      std::vector<int64_t> fs(fst.begin(), fst.end());
+      std::vector<Run> runs;
+      runs_of(cs, C.ids + k_lo, fs, fresh, j_lo, p, runs);
+      bool found = false;
+      for (const Run& rn : runs) {
+        if (rn.len < 2) continue;
+        const int64_t last = rn.c0 + rn.len - 1;
+        if (cs[last] + C.len[C.ids[k_lo + last]] - cs[rn.c0] <= t.max_token_bytes) continue;
+        for (int64_t m = rn.c0 + 1; m <= last; ++m) {  // the earliest certified start wins
+          const int64_t q = cs[m];
+          if (q <= mid_end) continue;
+          if (!certified(q, p, cps, at, buf_new, buf_old, lo, q - delta)) continue;
+          rk = k_lo + m;
+          rj = rn.f0 + (m - rn.c0);
+          rq = q;
+          found = true;
+          break;
+        }
+        if (found) break;
+      }
+      if (!found) return res.status = LANE_NO_RUN;
+    }
+    if (lj > rj) return res.status = LANE_NO_RUN;
+    // the fresh tokens between the cuts spell the new text between them, byte for byte
+    int64_t w = lq - p;
+    for (int64_t x = lj; x < rj; ++x) {
+      const uint32_t o = eng->t.tok_off[fresh[x]], len = eng->t.tok_off[fresh[x] + 1] - o;
+      if (len != t.token_len[fresh[x]] || w + len > int64_t(win.size()) ||
+          std::memcmp(eng->t.tok_blob + o, win.data() + w, len) != 0)
+        return res.status = LANE_TILING;
+      w += len;
+    }
+    if (w != rq - p) return res.status = LANE_TILING;
+    res.k1 = lk;
+    res.k2 = rk;
+    res.q = lq;
+    res.q2 = rq;
+    res.mid.assign(fresh.begin() + lj, fresh.begin() + rj);
+    return res.status = LANE_OK;
   }
 };
 

@@ -1,0 +1,86 @@
+"""Big appends (tool results of 16K-400K characters): TokTier's repair throughput (issue 14).
+
+For each tokenizer and each append size, a session is built on a ``--context``-character
+code context (untimed), then ``--appends`` appends of that size are timed
+(``time.perf_counter`` around ``Session.append``; the result's ids are a view, no copy).
+Throughput is appended UTF-8 MB (10^6 bytes) per second of append wall time, P50.  Every
+append's IDs are checked against the reference encode of the whole text.  For scale, the
+same run times fastokens' and gigatoken's encode of the whole new text (their only way to
+serve it; fastokens with its input cache on, array output), P50 over the same calls.
+
+The goal (issue 14): appends of 16K-400K characters at >= 50 MB/s a core.  Appends the full
+path parallelizes (window >= 256K characters) run on every core: their MB/s is per process.
+
+Usage: ``python -m bench.big_appends [--sizes 16000,64000,100000,400000] [--only llama3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+NAMES = ("llama3", "o200k_base", "deepseek_v4", "qwen3", "cl100k_base")
+
+
+def _peers(tok):
+    """(label, encode(text) -> ids) of the stateless peers, as `bench.peers` builds them (fastokens
+    with its input cache and array output, gigatoken's ndarray encode); absent when one cannot load."""
+    from bench.peers import fastokens_factory, gigatoken_factory
+
+    out = []
+    for label, factory in (("fastokens", fastokens_factory), ("gigatoken", gigatoken_factory)):
+        try:
+            out.append((label, factory(tok)()))
+        except Exception:  # noqa: BLE001 - a peer that cannot load this file is left out of the table
+            pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import toktier
+    from toktier.tools.corpus import large_text
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="16000,64000,100000,400000")
+    ap.add_argument("--context", type=int, default=1_000_000)
+    ap.add_argument("--appends", type=int, default=5)
+    ap.add_argument("--kind", default="english")
+    ap.add_argument("--only", action="append", choices=NAMES)
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args(argv)
+    bad = 0
+    print(f"{'tokenizer':<12} {'append':>8} {'P50 ms':>8} {'MB/s':>7}  peers (whole-text encode P50 ms)")
+    for name in args.only or NAMES:
+        tok = toktier.load_tokenizer(name)
+        peers = [] if args.no_peers else _peers(tok)
+        for size in (int(x) for x in args.sizes.split(",")):
+            ctx = large_text(args.context, kind="code")
+            s = toktier.Session(tok, ctx)
+            text = ctx
+            times, mbs, ptimes = [], [], {label: [] for label, _ in peers}
+            for i in range(args.appends):
+                delta = large_text(size, seed=100 + i, kind=args.kind)
+                text += delta
+                t0 = time.perf_counter()
+                r = s.append(delta)
+                dt = time.perf_counter() - t0
+                times.append(dt)
+                mbs.append(len(delta.encode("utf-8")) / 1e6 / dt)
+                want = tok.engine.encode(text)
+                if not np.array_equal(r.ids, want):
+                    bad += 1
+                    print(f"MISMATCH {name} size {size} append {i}")
+                for label, enc in peers:
+                    t0 = time.perf_counter()
+                    enc(text)
+                    ptimes[label].append(time.perf_counter() - t0)
+            peer_txt = "  ".join(f"{label} {np.median(v) * 1e3:.1f}" for label, v in ptimes.items())
+            print(f"{name:<12} {size:>8,} {np.median(times) * 1e3:>8.2f} {np.median(mbs):>7.1f}  {peer_txt}",
+                  flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
