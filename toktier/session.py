@@ -604,8 +604,8 @@ class Session:
             return False
         if tok.table.has_uncertain(ids) and not tok.table.canonical_spans_ok(ids, text):
             return False
-        if tok.family_info.nfc:
-            return b"".join(map(tok.token_bytes.__getitem__, ids.tolist())) == text
+        if tok.family_info.nfc and not text.isascii():  # (NFC leaves ASCII as it is: lengths prove it)
+            return _spells(tok, ids, lens, text)
         return True
 
     def _runs(self, c_starts: np.ndarray, c_ids: np.ndarray, f_starts: np.ndarray,
@@ -748,6 +748,23 @@ class Session:
         else:
             self.stats.first_window += 1
         return OpResult(self._ids.view(), first_changed, path, widenings)
+
+
+def _spells(tok: FrozenTokenizer, ids: np.ndarray, lens: np.ndarray, text: bytes) -> bool:
+    """Whether the tokens' canonical bytes concatenate to `text` (lengths already sum to it)."""
+    from .errors import UnsupportedTokenizer
+    from .gpu.tables import bpe_tables  # the token bytes as one blob (built once per tokenizer)
+
+    try:
+        bt = bpe_tables(tok) if len(ids) >= 64 else None
+    except UnsupportedTokenizer:
+        bt = None
+    if bt is None:
+        return b"".join(map(tok.token_bytes.__getitem__, ids.tolist())) == text
+    lens = lens.astype(np.int64)
+    shift = bt.tok_off[ids].astype(np.int64) - _exclusive_cumsum(lens, 0)
+    idx = np.repeat(shift, lens) + np.arange(len(text), dtype=np.int64)
+    return bool(np.array_equal(bt.tok_blob[idx], np.frombuffer(text, dtype=np.uint8)))
 
 
 def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ never touch this module.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Literal
 
@@ -30,14 +31,21 @@ except ImportError as exc:  # a source tree nobody built (`pip install -e .` bui
     BUILD_ERROR = f"the compiled module toktier.native._engine is not built ({exc})"
 
 
+#: Idle piece caches an engine keeps (each ~4.5 MiB); more concurrent calls make more, then drop them.
+MAX_IDLE_CACHES = 2 * (os.cpu_count() or 1)
+
+
 class NativeEngine:
-    """The compiled encoder of one certified tokenizer; thread-safe (a piece cache per thread)."""
+    """The compiled encoder of one certified tokenizer; thread-safe (a piece cache per call, lent)."""
 
     def __init__(self, tok, core, rules: str) -> None:
         self._tok = tok
         self._core = core
         self.rules = rules
-        self._local = threading.local()
+        # Piece caches, lent one per call: any thread may use any of them (never two at once), so
+        # they stay warm across the full path's short-lived chunk threads and server workers.
+        self._caches: list = []
+        self._caches_lock = threading.Lock()
         self.demoted: str | None = None  # why it no longer serves (a confirmed shadow mismatch)
         self.nfc_fallbacks = 0  # NFC-family texts the normalizer changes: the reference encoded them
         self._lane = None
@@ -51,11 +59,16 @@ class NativeEngine:
         if self.demoted is None:
             self.demoted = reason
 
-    def _cache(self):
-        c = getattr(self._local, "cache", None)
-        if c is None:
-            c = self._local.cache = _core.PieceCacheBox()
-        return c
+    def _take(self):
+        with self._caches_lock:
+            if self._caches:
+                return self._caches.pop()
+        return _core.PieceCacheBox()
+
+    def _give(self, cache) -> None:
+        with self._caches_lock:
+            if len(self._caches) < MAX_IDLE_CACHES:
+                self._caches.append(cache)
 
     def encode(self, text: str) -> np.ndarray:
         """Exactly ``tok.encode(text)`` (uint32)."""
@@ -66,12 +79,16 @@ class NativeEngine:
         own coordinates when NFC leaves it unchanged; otherwise the reference encodes it (no offsets)."""
         if self.demoted is not None:
             return self._tok.engine.encode_fast(text), None
-        status, ids, starts = self._core.encode(text, self._cache(), want_starts, True)
-        if status == _core.NEEDS_NFC:
-            if self._tok.engine.normalize(text) != text:
-                self.nfc_fallbacks += 1
-                return self._tok.engine.encode_fast(text), None
-            status, ids, starts = self._core.encode(text, self._cache(), want_starts, False)
+        cache = self._take()
+        try:
+            status, ids, starts = self._core.encode(text, cache, want_starts, True)
+            if status == _core.NEEDS_NFC:
+                if self._tok.engine.normalize(text) != text:
+                    self.nfc_fallbacks += 1
+                    return self._tok.engine.encode_fast(text), None
+                status, ids, starts = self._core.encode(text, cache, want_starts, False)
+        finally:
+            self._give(cache)
         return ids, starts
 
     def lane(self):
@@ -93,7 +110,12 @@ class NativeEngine:
                   stride: int, window: int):
         """(status, k1, k2, left cut, right cut, fresh count, mid) of the compiled first-window splice
         (`RepairLane.edit`)."""
-        return self.lane().edit(text, s, e, data, ids, checkpoints, stride, window, window, self._cache())
+        lane = self.lane()
+        cache = self._take()
+        try:
+            return lane.edit(text, s, e, data, ids, checkpoints, stride, window, window, cache)
+        finally:
+            self._give(cache)
 
     def pieces(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(piece start character offsets, literal id per piece or -1) of the native pre-tokenizer."""
@@ -101,7 +123,11 @@ class NativeEngine:
 
     def bpe(self, piece: bytes) -> np.ndarray:
         """BPE IDs of one piece's bytes."""
-        return self._core.bpe(piece, self._cache())
+        cache = self._take()
+        try:
+            return self._core.bpe(piece, cache)
+        finally:
+            self._give(cache)
 
 
 def build(tok) -> tuple[NativeEngine | None, str | None]:

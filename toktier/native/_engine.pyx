@@ -4,9 +4,9 @@
 
 `CoreEngine` keeps a reference to every numpy array whose memory the C++ engine reads,
 so the tables live exactly as long as it does.  `encode` reads the str's PEP 393
-buffer directly (no UTF-8 encode of the text) and runs without the GIL; each thread
-gets its own piece cache (`PieceCacheBox`, held by the Python caller in a
-``threading.local``), so concurrent encodes share nothing mutable.
+buffer directly (no UTF-8 encode of the text) and runs without the GIL; each call
+borrows a piece cache (`PieceCacheBox`) that no other call uses meanwhile (the
+Python side lends them), so concurrent encodes share nothing mutable.
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -67,7 +67,7 @@ NEEDS_NFC = 1
 
 
 cdef class PieceCacheBox:
-    """One thread's BPE piece cache for one engine (never shared between threads)."""
+    """One BPE piece cache of one engine, lent to one call at a time (`NativeEngine._take`)."""
 
     cdef PieceCache* c
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <queue>
 #include <unordered_map>
 #include <vector>
@@ -29,6 +30,9 @@ constexpr uint32_t FOLD_SHIFT = 8, NFC_INERT = 1u << 16;
 
 enum Rules : int { CL100K_HF = 0, CL100K_TT = 1, QWEN = 2, O200K = 3, DEEPSEEK = 4 };
 
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
 constexpr uint64_t GOLDEN = 0x9E3779B97F4A7C15ull;
 constexpr uint64_t EMPTY64 = ~0ull;
 constexpr uint32_t EMPTY32 = ~0u;
@@ -115,44 +119,92 @@ void find_literals(const Trie& t, const T* s, int64_t lo, int64_t hi, std::vecto
   }
 }
 
-// -- piece cache (one per thread per engine: the Python side keeps it in a threading.local) ----
+// -- piece cache (lent to one call at a time by the Python side, `NativeEngine._take`) ---------
+// One 64-byte line per entry, the piece's bytes and ids inline, so a lookup costs one cache
+// line (prefetched a batch ahead, see `Engine::encode_pieces`): a session's window is re-encoded
+// on every op, usually with its caches cold after other work, and each extra line is a miss.
 struct PieceCache {
-  struct Slot { uint64_t h; uint32_t boff, blen, ioff, nids; };
+  static constexpr uint32_t MAX_BYTES = 26, MAX_IDS = 6;
+  struct alignas(64) Slot {
+    uint64_t h;
+    uint8_t blen, nids, used, pad;
+    uint32_t ids[MAX_IDS];
+    uint8_t bytes[MAX_BYTES];
+    uint8_t pad2[2];
+  };
+  static_assert(sizeof(Slot) == 64, "one cache line per entry");
+  static constexpr size_t CAP = 1 << 16;  // 4 MiB; cleared when half full
   std::vector<Slot> slots;
-  std::vector<uint8_t> bytes;
-  std::vector<uint32_t> ids;
-  size_t used = 0;
-  uint64_t mask = 0;
-  static constexpr size_t CAP = 1 << 17;
-  static constexpr size_t MAX_PIECE = 96;  // longer pieces are rare and not worth a slot
+  size_t n_used = 0;
   uint64_t hits = 0, misses = 0;
 
-  PieceCache() { clear(); }
+  PieceCache() : slots(CAP) { clear(); }
   void clear() {
-    slots.assign(CAP, Slot{EMPTY64, 0, 0, 0, 0});
-    bytes.clear();
-    ids.clear();
-    used = 0;
-    mask = CAP - 1;
+    for (Slot& sl : slots) sl.used = 0;
+    n_used = 0;
   }
+  static inline size_t home(uint64_t h) { return size_t((h * GOLDEN) >> 48) & (CAP - 1); }
+  inline void prefetch(uint64_t h) const { __builtin_prefetch(&slots[home(h)]); }
   const Slot* find(uint64_t h, const uint8_t* p, uint32_t n) const {
-    size_t i = size_t((h * GOLDEN) >> 40) & mask;
+    if (n > MAX_BYTES) return nullptr;
+    size_t i = home(h);
     while (true) {
-      const Slot& s = slots[i];
-      if (s.h == EMPTY64) return nullptr;
-      if (s.h == h && s.blen == n && std::memcmp(&bytes[s.boff], p, n) == 0) return &s;
-      i = (i + 1) & mask;
+      const Slot& sl = slots[i];
+      if (!sl.used) return nullptr;
+      if (sl.h == h && sl.blen == n && std::memcmp(sl.bytes, p, n) == 0) return &sl;
+      i = (i + 1) & (CAP - 1);
     }
   }
+  // Pieces longer than a slot holds: slots of offsets into byte and id arenas (two more lines
+  // a lookup, for the rarer long pieces: indentation, long identifiers, digits, encoded data).
+  struct Big { uint64_t h; uint32_t boff, blen, ioff, nids; };
+  static constexpr size_t BIG_CAP = 1 << 14, BIG_MAX = 1024;
+  std::vector<Big> big = std::vector<Big>(BIG_CAP, Big{EMPTY64, 0, 0, 0, 0});
+  std::vector<uint8_t> big_bytes;
+  std::vector<uint32_t> big_ids;
+  size_t big_used = 0;
+
+  bool find_big(uint64_t h, const uint8_t* p, uint32_t n, std::vector<uint32_t>& out) const {
+    size_t i = home(h) & (BIG_CAP - 1);
+    while (true) {
+      const Big& b = big[i];
+      if (b.h == EMPTY64) return false;
+      if (b.h == h && b.blen == n && std::memcmp(&big_bytes[b.boff], p, n) == 0) {
+        out.insert(out.end(), big_ids.begin() + b.ioff, big_ids.begin() + b.ioff + b.nids);
+        return true;
+      }
+      i = (i + 1) & (BIG_CAP - 1);
+    }
+  }
+  void put_big(uint64_t h, const uint8_t* p, uint32_t n, const uint32_t* v, uint32_t nv) {
+    if (n > BIG_MAX) return;
+    if (big_used * 2 >= BIG_CAP || big_bytes.size() > (8u << 20)) {
+      std::fill(big.begin(), big.end(), Big{EMPTY64, 0, 0, 0, 0});
+      big_bytes.clear();
+      big_ids.clear();
+      big_used = 0;
+    }
+    size_t i = home(h) & (BIG_CAP - 1);
+    while (big[i].h != EMPTY64) i = (i + 1) & (BIG_CAP - 1);
+    big[i] = Big{h, uint32_t(big_bytes.size()), n, uint32_t(big_ids.size()), nv};
+    big_bytes.insert(big_bytes.end(), p, p + n);
+    big_ids.insert(big_ids.end(), v, v + nv);
+    ++big_used;
+  }
+
   void put(uint64_t h, const uint8_t* p, uint32_t n, const uint32_t* v, uint32_t nv) {
-    if (n > MAX_PIECE) return;
-    if (used * 2 >= CAP || bytes.size() > (64u << 20)) clear();
-    size_t i = size_t((h * GOLDEN) >> 40) & mask;
-    while (slots[i].h != EMPTY64) i = (i + 1) & mask;
-    slots[i] = Slot{h, uint32_t(bytes.size()), n, uint32_t(ids.size()), nv};
-    bytes.insert(bytes.end(), p, p + n);
-    ids.insert(ids.end(), v, v + nv);
-    ++used;
+    if (n > MAX_BYTES || nv > MAX_IDS) { put_big(h, p, n, v, nv); return; }
+    if (n_used * 2 >= CAP) clear();
+    size_t i = home(h);
+    while (slots[i].used) i = (i + 1) & (CAP - 1);
+    Slot& sl = slots[i];
+    sl.h = h;
+    sl.blen = uint8_t(n);
+    sl.nids = uint8_t(nv);
+    sl.used = 1;
+    std::memcpy(sl.bytes, p, n);
+    std::memcpy(sl.ids, v, nv * sizeof(uint32_t));
+    ++n_used;
   }
 };
 
@@ -204,26 +256,59 @@ class Engine {
     }
   }
 
-  // BPE of one piece's bytes, appended to `out` (ids only).
-  void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, std::vector<uint32_t>& out) const {
-    if (n == 1) { out.push_back(t.byte_to_id[p[0]]); return; }
+  static inline uint64_t fnv(const uint8_t* p, uint32_t n) {
     uint64_t h = FNV_OFFSET;
     for (uint32_t i = 0; i < n; ++i) h = (h ^ p[i]) * FNV_PRIME;
-    if (t.whole_piece_lookup) {
+    return h;
+  }
+
+  inline void prefetch_vocab(uint64_t h) const {
+    uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);
+    __builtin_prefetch(t.vocab_keys + i);
+    __builtin_prefetch(t.vocab_ids + i);
+  }
+
+  // BPE of one piece's bytes (FNV-1a hash `h`), appended to `out` (ids only).
+  void bpe_hashed(const uint8_t* p, uint32_t n, uint64_t h, PieceCache& cache, std::vector<uint32_t>& out) const {
+    if (n == 1) { out.push_back(t.byte_to_id[p[0]]); return; }
+    if (t.whole_piece_lookup) {  // most pieces are one vocab token: no cache entry for them
       int64_t id = vocab(h, p, n);
       if (id >= 0) { out.push_back(uint32_t(id)); return; }
     }
-    if (n <= PieceCache::MAX_PIECE) {
-      if (const PieceCache::Slot* s = cache.find(h, p, n)) {
-        ++cache.hits;
-        out.insert(out.end(), cache.ids.begin() + s->ioff, cache.ids.begin() + s->ioff + s->nids);
-        return;
-      }
-      ++cache.misses;
+    if (const PieceCache::Slot* sl = cache.find(h, p, n)) {
+      ++cache.hits;
+      out.insert(out.end(), sl->ids, sl->ids + sl->nids);
+      return;
     }
+    if (n > PieceCache::MAX_BYTES && cache.find_big(h, p, n, out)) { ++cache.hits; return; }
+    ++cache.misses;
     size_t base = out.size();
-    if (n <= 48) merge_small(p, n, out); else merge_heap(p, n, out);
+    if (n <= 48) merge_small(p, n, out);
+    else merge_heap(p, n, out);
     cache.put(h, p, n, out.data() + base, uint32_t(out.size() - base));
+  }
+
+  void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, std::vector<uint32_t>& out) const {
+    bpe_hashed(p, n, fnv(p, n), cache, out);
+  }
+
+  // BPE of a batch of pieces of `buf` (byte start, length), in order: all hashes first, their
+  // cache and vocab lines prefetched, then the lookups (a cold window's misses overlap).
+  void encode_pieces(const uint8_t* buf, const std::vector<std::pair<uint32_t, uint32_t>>& pcs,
+                     std::vector<uint64_t>& hs, PieceCache& cache, std::vector<uint32_t>& out,
+                     std::vector<uint32_t>* first_tok) const {
+    hs.resize(pcs.size());
+    for (size_t i = 0; i < pcs.size(); ++i) {
+      hs[i] = fnv(buf + pcs[i].first, pcs[i].second);
+      if (PREFETCH && pcs[i].second > 1) {
+        if (t.whole_piece_lookup) prefetch_vocab(hs[i]);
+        else cache.prefetch(hs[i]);
+      }
+    }
+    for (size_t i = 0; i < pcs.size(); ++i) {
+      if (first_tok) first_tok->push_back(uint32_t(out.size()));
+      bpe_hashed(buf + pcs[i].first, pcs[i].second, hs[i], cache, out);
+    }
   }
 
   // tiktoken's loop: the leftmost lowest-rank pair, merged one at a time (O(n^2), small n).
@@ -491,47 +576,76 @@ class Engine {
     }
     out.ids.reserve(out.ids.size() + size_t(n / 3) + 16);
     if (out.want_starts) out.starts.reserve(out.ids.capacity());
-    std::vector<uint8_t> scratch;
-    int64_t bytepos = 0;  // UTF-8 offset of the character at `char_pos`
-    int64_t char_pos = 0;
-    auto advance_to = [&](int64_t ci) {  // bytepos of character ci (ascending calls)
-      if (ascii) { bytepos = ci; char_pos = ci; return; }
-      for (; char_pos < ci; ++char_pos) {
-        uint32_t c = uint32_t(s[char_pos]);
-        bytepos += c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4;
+    const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
+    std::unique_ptr<uint8_t[]> segbuf;
+    std::unique_ptr<uint32_t[]> boff;
+    size_t seg_cap = 0;
+    std::vector<std::pair<uint32_t, uint32_t>> batch;  // (byte offset in the segment buffer, length)
+    std::vector<uint64_t> hs;
+    std::vector<uint32_t> first_tok;
+    int64_t text_byte = 0;  // UTF-8 offset of character `text_char` in the whole text
+    int64_t text_char = 0;
+    auto bytes_to = [&](int64_t ci) {  // UTF-8 offset of character ci (ascending calls)
+      if (ascii) return ci;
+      for (; text_char < ci; ++text_char) {
+        uint32_t c = uint32_t(s[text_char]);
+        text_byte += c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4;
       }
+      return text_byte;
     };
-    auto piece = [&](int64_t pa, int64_t pb) {
-      const uint8_t* p;
-      uint32_t len;
-      if (ascii && sizeof(T) == 1) {
-        p = reinterpret_cast<const uint8_t*>(s) + pa;
-        len = uint32_t(pb - pa);
-      } else {
-        scratch.clear();
-        for (int64_t i = pa; i < pb; ++i) put_utf8(uint32_t(s[i]), scratch);
-        p = scratch.data();
-        len = uint32_t(scratch.size());
-      }
-      size_t first = out.ids.size();
-      bpe(p, len, cache, out.ids);
-      if (out.want_starts) {
-        advance_to(pa);
-        int64_t off = bytepos;
-        for (size_t k = first; k < out.ids.size(); ++k) {
-          out.starts.push_back(off);
-          off += t.tok_off[out.ids[k] + 1] - t.tok_off[out.ids[k]];
+    auto segment = [&](int64_t a, int64_t b) {
+      const int64_t base = bytes_to(a);  // the segment's first byte in the text
+      const uint8_t* buf;
+      if (direct) {
+        buf = reinterpret_cast<const uint8_t*>(s) + a;
+      } else {  // the segment's UTF-8 and each character's offset in it, in one pass
+        if (size_t(b - a) > seg_cap) {  // uninitialized storage: a resize would zero it first
+          seg_cap = size_t(b - a);
+          segbuf.reset(new uint8_t[seg_cap * 4]);
+          boff.reset(new uint32_t[seg_cap + 1]);
         }
+        uint8_t* const base8 = segbuf.get();
+        uint8_t* w = base8;
+        for (int64_t i = a; i < b; ++i) {
+          boff[size_t(i - a)] = uint32_t(w - base8);
+          w = put_utf8(uint32_t(s[i]), w);
+        }
+        boff[size_t(b - a)] = uint32_t(w - base8);
+        buf = base8;
       }
+      auto flush = [&]() {
+        if (batch.empty()) return;
+        first_tok.clear();
+        encode_pieces(buf, batch, hs, cache, out.ids, out.want_starts ? &first_tok : nullptr);
+        if (out.want_starts) {
+          first_tok.push_back(uint32_t(out.ids.size()));
+          for (size_t i = 0; i < batch.size(); ++i) {
+            int64_t off = base + batch[i].first;
+            for (uint32_t k = first_tok[i]; k < first_tok[i + 1]; ++k) {
+              out.starts.push_back(off);
+              off += t.tok_off[out.ids[k] + 1] - t.tok_off[out.ids[k]];
+            }
+          }
+        }
+        batch.clear();
+      };
+      auto piece = [&](int64_t pa, int64_t pb) {
+        uint32_t x = direct ? uint32_t(pa - a) : boff[size_t(pa - a)];
+        uint32_t y = direct ? uint32_t(pb - a) : boff[size_t(pb - a)];
+        batch.emplace_back(x, y - x);
+        if (batch.size() >= 256) flush();
+      };
+      pretokenize(s, a, b, piece);
+      flush();
     };
     int64_t pos = 0;
     for (const Literal& l : lits) {
-      if (l.a > pos) pretokenize(s, pos, l.a, piece);
-      if (out.want_starts) { advance_to(l.a); out.starts.push_back(bytepos); }
+      if (l.a > pos) segment(pos, l.a);
+      if (out.want_starts) out.starts.push_back(bytes_to(l.a));
       out.ids.push_back(uint32_t(l.id));
       pos = l.b;
     }
-    if (pos < n) pretokenize(s, pos, n, piece);
+    if (pos < n) segment(pos, n);
     return OK;
   }
 
@@ -549,6 +663,18 @@ class Engine {
       pos = l.b;
     }
     if (pos < n) pretokenize(s, pos, n, piece);
+  }
+
+  static inline uint8_t* put_utf8(uint32_t c, uint8_t* w) {
+    if (c < 0x80) { *w++ = uint8_t(c); }
+    else if (c < 0x800) { *w++ = uint8_t(0xC0 | (c >> 6)); *w++ = uint8_t(0x80 | (c & 0x3F)); }
+    else if (c < 0x10000) {
+      *w++ = uint8_t(0xE0 | (c >> 12)); *w++ = uint8_t(0x80 | ((c >> 6) & 0x3F)); *w++ = uint8_t(0x80 | (c & 0x3F));
+    } else {
+      *w++ = uint8_t(0xF0 | (c >> 18)); *w++ = uint8_t(0x80 | ((c >> 12) & 0x3F));
+      *w++ = uint8_t(0x80 | ((c >> 6) & 0x3F)); *w++ = uint8_t(0x80 | (c & 0x3F));
+    }
+    return w;
   }
 
   static inline void put_utf8(uint32_t c, std::vector<uint8_t>& o) {
