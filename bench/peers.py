@@ -12,7 +12,12 @@ call, so the ratios are same-run ratios even on a noisy machine):
 
 Each (size, workload) starts fresh: every engine first sees the context untimed (our session is
 built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
-session), then the appends.  What each timing includes (``time.perf_counter`` around):
+session), then the appends.  The engines' order rotates call by call (TokTier first on call 0,
+the next engine first on call 1, ...), so the one timed right after another engine's call
+(whose worker threads may still be spinning, and which flushed the caches) is not always the same,
+and each timed call starts after ``--settle-ms`` (default 5 ms) of sleep: measured here, toktier
+0.3.0's worker process keeps the 2 cores busy for a while after each call (a 256-character
+append of ours took 0.045 ms with the peer process idle and 0.094 ms right after its calls).  What each timing includes (``time.perf_counter`` around):
 
 * ``toktier``: ``Session.append(delta)``; its result's ``ids`` is a uint32 view of the session
   buffer (no copy, no list).
@@ -165,7 +170,7 @@ def p50(xs) -> float:
 
 
 # -- one (tokenizer, size, workload) ------------------------------------------------------------
-def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_api_appends, log):
+def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_api_appends, log, settle=0.005):
     ctx = context_text(size)
     ds = deltas(workload, n_appends)
     times: dict[str, list[float]] = {}
@@ -183,38 +188,54 @@ def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_ap
         sid = f"{name}-{size}-{workload}"
         peer.call({"op": "api_encode", "session": sid}, ctx)
     text = ctx
-    for i, d in enumerate(ds):
-        text = text + d
-        check = i % 8 == 0
-        want = {}
+
+    def step_toktier(i, d, text, check, want):
         t0 = time.perf_counter()
         r = s.append(d)
         times.setdefault("toktier", []).append(time.perf_counter() - t0)
         want["toktier"] = r.ids
         paths.setdefault("toktier", {}).setdefault(str(r.path), 0)
         paths["toktier"][str(r.path)] += 1
-        for k, e in encs.items():
+
+    def step_stateless(k, e):
+        def step(i, d, text, check, want):
             t0 = time.perf_counter()
             ids = e(text)
             times.setdefault(k, []).append(time.perf_counter() - t0)
             want[k] = ids
-        if peer is not None:
-            rep, ids, rt = peer.call({"op": "core_append", "want_ids": check}, d)
-            times.setdefault("tt03-core", []).append(rep["t_inner_s"])
-            rts.setdefault("tt03-core", []).append(rt)
-            paths.setdefault("tt03-core", {}).setdefault(rep["path"], 0)
-            paths["tt03-core"][rep["path"]] += 1
+        return step
+
+    def step_peer(i, d, text, check, want):
+        rep, ids, rt = peer.call({"op": "core_append", "want_ids": check}, d)
+        times.setdefault("tt03-core", []).append(rep["t_inner_s"])
+        rts.setdefault("tt03-core", []).append(rt)
+        paths.setdefault("tt03-core", {}).setdefault(rep["path"], 0)
+        paths["tt03-core"][rep["path"]] += 1
+        if check:
+            want["tt03-core"] = ids
+        if i < peer_api_appends:
+            rep, ids, rt = peer.call({"op": "api_encode", "session": sid, "want_ids": check}, text)
+            times.setdefault("tt03-api", []).append(rep["t_inner_s"])
+            rts.setdefault("tt03-api", []).append(rt)
             if check:
-                want["tt03-core"] = ids
-            if i < peer_api_appends:
-                rep, ids, rt = peer.call({"op": "api_encode", "session": sid, "want_ids": check}, text)
-                times.setdefault("tt03-api", []).append(rep["t_inner_s"])
-                rts.setdefault("tt03-api", []).append(rt)
-                if check:
-                    want["tt03-api"] = ids
-                    key = f"{rep.get('backend')}/{rep.get('path')}"
-                    paths.setdefault("tt03-api", {}).setdefault(key, 0)
-                    paths["tt03-api"][key] += 1
+                want["tt03-api"] = ids
+                key = f"{rep.get('backend')}/{rep.get('path')}"
+                paths.setdefault("tt03-api", {}).setdefault(key, 0)
+                paths["tt03-api"][key] += 1
+
+    steps = [step_toktier, *(step_stateless(k, e) for k, e in encs.items())]
+    if peer is not None:
+        steps.append(step_peer)
+    for i, d in enumerate(ds):
+        text = text + d
+        check = i % 8 == 0
+        want = {}
+        # Rotate the order call by call: whatever runs right after another engine's call (a peer
+        # process's worker threads still spinning, caches just flushed) hits every engine alike.
+        for k in range(len(steps)):
+            if settle:
+                time.sleep(settle)  # let the previous engine's worker threads go idle (see the docstring)
+            steps[(i + k) % len(steps)](i, d, text, check, want)
         if check:
             t0 = time.perf_counter()
             rids = ref(text)
@@ -300,6 +321,7 @@ def main(argv=None) -> int:
                     help="sizes of the o200k_base rows (chat-1.4K only); empty to skip")
     ap.add_argument("--starts", default="1000000,4000000", help="session-start sizes; empty to skip")
     ap.add_argument("--no-peer", action="store_true", help="skip toktier 0.3.0")
+    ap.add_argument("--settle-ms", type=float, default=5.0, help="sleep before each timed call (0: none)")
     ap.add_argument("--peer-api-appends", type=int, default=25,
                     help="calls of the 0.3.0 public API lane per cell (it re-encodes in full: slow)")
     ap.add_argument("--peer-api-appends-large", type=int, default=9,
@@ -338,7 +360,7 @@ def main(argv=None) -> int:
         for w in workloads:
             api_n = args.peer_api_appends if size < 1_000_000 else args.peer_api_appends_large
             t, rt, n, paths, bad = run_cell(tok, "llama3", size, w, args.appends, stateless, ref, peer,
-                                            min(api_n, args.appends), log)
+                                            min(api_n, args.appends), log, args.settle_ms / 1000)
             mism += sum(bad.values())
             best = min(t["fastokens"], t["gigatoken"])
             lead = best / t["toktier"]
@@ -359,7 +381,7 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for size in [int(x) for x in args.o200k_sizes.split(",") if x]:
             t, rt, n, paths, bad = run_cell(otok, "o200k_base", size, "chat-1.4K", args.appends, ost, oref, None,
-                                            0, log)
+                                            0, log, args.settle_ms / 1000)
             mism += sum(bad.values())
             best = min(t["fastokens"], t["gigatoken"])
             chk = "all equal" if not bad else "MISMATCH " + ",".join(f"{k}:{v}" for k, v in bad.items())
