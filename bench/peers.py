@@ -8,7 +8,8 @@ call, so the ratios are same-run ratios even on a noisy machine):
 * ``chat-1.4K``: ``--appends`` appends, each one turn ``<|start_header_id|>{assistant|user}
   <|end_header_id|>\\n\\n`` + ~1.4K characters of code + ``<|eot_id|>`` (1,400 characters in all);
 * ``plain-256`` / ``plain-1.4K`` / ``plain-16K``: the same number of appends of raw English text
-  (``large_text(n, kind="english")``, no template) of 256, 1,400 and 16,000 characters.
+  (``large_text(n, kind="english")``, no template) of 256, 1,400 and 16,000 characters
+  (``plain-10``, 10 characters, on request: ``--workloads plain-10``).
 
 Each (size, workload) starts fresh: every engine first sees the context untimed (our session is
 built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
@@ -90,7 +91,7 @@ def deltas(workload: str, count: int) -> list[str]:
             body = large_text(1400 - len(head) - len(EOT), seed=1000 + i, kind="code")
             out.append(head + body + EOT)
         else:
-            n = {"plain-256": 256, "plain-1.4K": 1400, "plain-16K": 16000}[workload]
+            n = {"plain-10": 10, "plain-256": 256, "plain-1.4K": 1400, "plain-16K": 16000}[workload]
             out.append(large_text(n, seed=2000 + i, kind="english"))
     return out
 

@@ -180,6 +180,11 @@ def attach(tok, choice: EngineChoice) -> tuple[NativeEngine | None, str | None]:
         why = certify(tok, eng)
         if why is not None:
             eng = None
+        else:
+            try:
+                eng.lane()  # built now, so no session op pays for it
+            except (RuntimeError, ValueError) as exc:
+                eng, why = None, f"the compiled repair lane cannot be built ({exc})"
     if eng is None and choice == "native":
         from ..errors import UnsupportedTokenizer
 

@@ -60,6 +60,7 @@ cdef extern from "engine.hpp" namespace "ttn":
         int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
         void pieces[T](const T* s, int64_t n, vector[int64_t]& starts, vector[int64_t]& lit_flags) except + nogil
         void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, vector[uint32_t]& out) except + nogil
+        void build_short_vocab() except +
 
 
 RULES = {"cl100k_hf": 0, "cl100k_tt": 1, "qwen": 2, "o200k": 3, "deepseek": 4}
@@ -157,6 +158,7 @@ cdef class CoreEngine:
         self.e.t.max_piece_lookup = max_piece_lookup
         self.e.t.whole_piece_lookup = whole_piece_lookup
         self.e.nfc = nfc
+        self.e.build_short_vocab()
         cdef uint32_t[::1] cps
         for second, lits in ((False, literals_first), (True, literals_second)):
             for content, lid in lits:

@@ -238,8 +238,53 @@ class Engine {
     }
   }
 
+  // Short vocab tokens again, each in one 32-byte slot with its bytes inline: a whole-piece
+  // lookup reads one line instead of four (keys, ids, offsets, bytes), which is what a window
+  // encoded with cold caches pays for.  Built once from the vocab table (`build_short_vocab`).
+  static constexpr uint32_t SHORT_MAX = 18;
+  struct alignas(32) VSlot { uint64_t h; uint32_t id; uint8_t len, used; uint8_t bytes[SHORT_MAX]; };
+  static_assert(sizeof(VSlot) == 32, "two slots per cache line");
+  std::vector<VSlot> short_vocab;
+  uint64_t short_mask = 0;
+  int short_bits = 0;
+
+  void build_short_vocab() {
+    size_t count = 0;
+    const size_t cap = size_t(1) << t.vocab_bits;
+    for (size_t i = 0; i < cap; ++i)
+      if (t.vocab_ids[i] != EMPTY32) ++count;
+    short_bits = 4;
+    while ((size_t(1) << short_bits) < 2 * count + 16) ++short_bits;
+    short_vocab.assign(size_t(1) << short_bits, VSlot{0, 0, 0, 0, {0}});
+    short_mask = (uint64_t(1) << short_bits) - 1;
+    for (size_t i = 0; i < cap; ++i) {
+      const uint32_t id = t.vocab_ids[i];
+      if (id == EMPTY32) continue;
+      const uint32_t o = t.tok_off[id], n = t.tok_off[id + 1] - o;
+      if (n > SHORT_MAX || n == 0) continue;
+      const uint64_t h = fnv(t.tok_blob + o, n);
+      uint64_t j = (h * GOLDEN) >> (64 - short_bits);
+      while (short_vocab[j].used) j = (j + 1) & short_mask;
+      VSlot& v = short_vocab[j];
+      v.h = h;
+      v.id = id;
+      v.len = uint8_t(n);
+      v.used = 1;
+      std::memcpy(v.bytes, t.tok_blob + o, n);
+    }
+  }
+
   inline int64_t vocab(uint64_t h, const uint8_t* p, uint32_t n) const {
     if (int(n) > t.max_piece_lookup) return -1;
+    if (n <= SHORT_MAX && !short_vocab.empty()) {
+      uint64_t j = (h * GOLDEN) >> (64 - short_bits);
+      while (true) {
+        const VSlot& v = short_vocab[j];
+        if (!v.used) return -1;
+        if (v.h == h && v.len == n && std::memcmp(v.bytes, p, n) == 0) return v.id;
+        j = (j + 1) & short_mask;
+      }
+    }
     uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);
     const uint64_t m = (1ull << t.vocab_bits) - 1;
     while (true) {
@@ -262,7 +307,11 @@ class Engine {
     return h;
   }
 
-  inline void prefetch_vocab(uint64_t h) const {
+  inline void prefetch_vocab(uint64_t h, uint32_t n) const {
+    if (n <= SHORT_MAX && !short_vocab.empty()) {
+      __builtin_prefetch(&short_vocab[(h * GOLDEN) >> (64 - short_bits)]);
+      return;
+    }
     uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);
     __builtin_prefetch(t.vocab_keys + i);
     __builtin_prefetch(t.vocab_ids + i);
@@ -301,7 +350,7 @@ class Engine {
     for (size_t i = 0; i < pcs.size(); ++i) {
       hs[i] = fnv(buf + pcs[i].first, pcs[i].second);
       if (PREFETCH && pcs[i].second > 1) {
-        if (t.whole_piece_lookup) prefetch_vocab(hs[i]);
+        if (t.whole_piece_lookup) prefetch_vocab(hs[i], pcs[i].second);
         else cache.prefetch(hs[i]);
       }
     }
