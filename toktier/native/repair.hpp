@@ -1,20 +1,21 @@
-// TokTier compiled repair lane: the first-window splice of an append, in one call.
+// TokTier compiled repair lane: the first-window splice of an edit (or append), in one call.
 //
-// It does what `Session._repair` does on its first window for an append at the end of the
-// text, with the same certificate (DESIGN §3, `Session._find_left`'s non-glued pass):
-//   * window: from the start of the cached token that holds byte n_old - wl (moved back to a
-//     character start) to the end, plus the appended bytes; encoded by the native engine;
-//   * agreeing runs: cached and fresh tokens that start at the same byte with the same id,
-//     consecutive on both sides; a run counts with >= 2 tokens covering more bytes than the
-//     longest token; runs are tried longest first (ties: the later one);
-//   * in a run, the last token start q strictly inside the window and before the append that
-//     is a character boundary, a stable pair of the family (the group and pair tables of
-//     `Family.stable`), and crossed by no added-token literal occurrence in the old text or
-//     in the new one (`LiteralIndex.crossed`: inside an occurrence, or at its start after a
-//     byte that may be non-line-break whitespace);
-//   * the fresh tokens from q must spell the rest of the new text, byte for byte.
+// It does what `Session._repair` does on its first window, with the same certificate (DESIGN
+// §3; `Session._find_left` / `_find_right`, their non-glued pass):
+//   * window: [s - wl, e + wr) moved out to character starts and to the cached token starts
+//     around them (`Session._token_edges`), the change spliced in; encoded by the native engine;
+//   * each side: cached and fresh tokens that start at the same byte (new coordinates) with the
+//     same id, consecutive on both sides, form agreeing runs; a run counts with >= 2 tokens
+//     covering more bytes than the longest token; runs are tried longest first (ties: the later);
+//   * left of the change the latest, right of it the earliest, token start q inside a run (not its
+//     first token) and strictly inside the window that is a character boundary, a stable pair of
+//     the family (the group and pair tables of `Family.stable`), and crossed by no added-token
+//     literal occurrence in the old text or in the new one (`LiteralIndex.crossed`: inside an
+//     occurrence, or at its start after a byte that may be non-line-break whitespace);
+//     a window reaching the text's start or end needs no cut on that side;
+//   * the fresh tokens between the cuts must spell the new text between them, byte for byte.
 // Anything else (no run, an NFC-changeable or uncertain-span window, a one-byte run before
-// the append, invalid UTF-8) returns a fallback code, and the Python path runs from scratch:
+// the change, invalid UTF-8) returns a fallback code, and the Python path runs from scratch:
 // this lane may decline, never decide differently.
 #pragma once
 
