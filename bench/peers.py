@@ -15,10 +15,13 @@ Each (size, workload) starts fresh: every engine first sees the context untimed 
 built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
 session), then the appends.  The engines' order rotates call by call (TokTier first on call 0,
 the next engine first on call 1, ...), so the one timed right after another engine's call
-(whose worker threads may still be spinning, and which flushed the caches) is not always the same,
-and each timed call starts after ``--settle-ms`` (default 5 ms) of sleep: measured here, toktier
-0.3.0's worker process keeps the 2 cores busy for a while after each call (a 256-character
-append of ours took 0.045 ms with the peer process idle and 0.094 ms right after its calls).  What each timing includes (``time.perf_counter`` around):
+(whose worker threads may still be spinning, and which flushed the caches) is not always the same.
+``--settle-ms N`` sleeps N ms before each timed call; it is off by default because it hurts short
+calls: measured 2026-11-30, a 5 ms sleep made TokTier's 256-character appends at 100K 0.066 ->
+0.15 ms (a core that slept wakes with cold caches), while toktier 0.3.0's worker process, when
+called between our appends (no sleep), took them from 0.045 to 0.094 ms.
+
+What each timing includes (``time.perf_counter`` around):
 
 * ``toktier``: ``Session.append(delta)``; its result's ``ids`` is a uint32 view of the session
   buffer (no copy, no list).
@@ -171,7 +174,7 @@ def p50(xs) -> float:
 
 
 # -- one (tokenizer, size, workload) ------------------------------------------------------------
-def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_api_appends, log, settle=0.005):
+def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_api_appends, log, settle=0.0):
     ctx = context_text(size)
     ds = deltas(workload, n_appends)
     times: dict[str, list[float]] = {}
@@ -322,7 +325,7 @@ def main(argv=None) -> int:
                     help="sizes of the o200k_base rows (chat-1.4K only); empty to skip")
     ap.add_argument("--starts", default="1000000,4000000", help="session-start sizes; empty to skip")
     ap.add_argument("--no-peer", action="store_true", help="skip toktier 0.3.0")
-    ap.add_argument("--settle-ms", type=float, default=5.0, help="sleep before each timed call (0: none)")
+    ap.add_argument("--settle-ms", type=float, default=0.0, help="sleep before each timed call (default none)")
     ap.add_argument("--peer-api-appends", type=int, default=25,
                     help="calls of the 0.3.0 public API lane per cell (it re-encodes in full: slow)")
     ap.add_argument("--peer-api-appends-large", type=int, default=9,

@@ -98,7 +98,6 @@ def bpe_consistency(tok, bt) -> str | None:
             return "a vocab entry's id has other canonical bytes (an added token shadows it)"
     if (bt.vocab_ids != EMPTY32).sum() == 0:
         return "empty vocabulary"
-    del rank
     return None
 
 
@@ -136,7 +135,9 @@ def self_check(tok, eng) -> str | None:
         want = tok.engine.encode(text)
         got, starts = eng.encode_with_starts(text)
         if not np.array_equal(got, want):
-            i = int(np.flatnonzero(got[: min(len(got), len(want))] != want[: min(len(got), len(want))])[:1].sum())
+            m = min(len(got), len(want))
+            diff = np.flatnonzero(got[:m] != want[:m])
+            i = int(diff[0]) if len(diff) else m
             return f"self-check corpus: IDs differ from the reference at token {i} of {text[:40]!r}..."
         lens = tok.token_len[want].astype(np.int64)
         ref_starts = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(lens) else lens
