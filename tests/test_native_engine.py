@@ -440,3 +440,26 @@ def test_lane_serves_most_edits_of_real_text(name, tally):
             tally(tok, "session", 1)
     assert np.array_equal(r.ids, tok.engine.encode(s.text))
     assert s.stats.lane >= 40, s.stats
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@pytest.mark.parametrize("text", ["a\ud800b", "\udfff", "x" * 100 + "\ud83d", "中\udc00文"])
+def test_lone_surrogates_get_the_references_typed_error(name, text):
+    # A str with a lone surrogate has no UTF-8: the references raise, so the native path must too
+    # (never a silent encoding of some byte sequence).
+    tok = get_tokenizer(name)
+    with pytest.raises(toktier.ReferenceEngineError):
+        tok.engine.encode_fast(text)
+    with pytest.raises(toktier.ReferenceEngineError):
+        tok.encode_fast(text)
+    with pytest.raises(toktier.InvalidText):
+        toktier.Session(tok, "ok").append(text)
+
+
+def test_lane_rejects_encoded_surrogates_and_truncated_utf8():
+    tok = get_tokenizer("llama3")
+    s = toktier.Session(tok, "hello world " * 50)
+    ids, cp = s._ids.view(), s._starts.checkpoints()
+    for bad in (b"\xed\xa0\x80", b"\xe4\xb8", b"\xff"):
+        status, *_ = tok.native.edit_lane(s._text, len(s._text), len(s._text), bad, ids, cp, 64, s.window)
+        assert status == 5  # LANE_BAD_UTF8: the session's own path decides (and raises InvalidText)

@@ -65,6 +65,9 @@ cdef extern from "engine.hpp" namespace "ttn":
 
 RULES = {"cl100k_hf": 0, "cl100k_tt": 1, "qwen": 2, "o200k": 3, "deepseek": 4}
 NEEDS_NFC = 1
+SURROGATE = 2
+#: Longest text the engine takes (its segment offsets are uint32); longer ones go to the reference.
+MAX_CHARS = 1 << 30
 
 
 cdef class PieceCacheBox:
@@ -172,7 +175,11 @@ cdef class CoreEngine:
 
     def encode(self, str text, PieceCacheBox cache, bint want_starts=False, bint check_nfc=True):
         """(status, ids uint32, byte starts int64 or None); status NEEDS_NFC: an NFC family's text
-        holds a character NFC might change (the caller checks it with the reference normalizer)."""
+        holds a character NFC might change (the caller checks it with the reference normalizer);
+        SURROGATE: the text holds a lone surrogate or is longer than MAX_CHARS (the caller lets the
+        reference answer, which raises on a surrogate)."""
+        if PyUnicode_GET_LENGTH(text) > MAX_CHARS:
+            return SURROGATE, None, None
         cdef Output out
         out.want_starts = want_starts
         cdef int kind = PyUnicode_KIND(text)

@@ -215,7 +215,7 @@ struct Output {
   bool want_starts = false;
 };
 
-enum Status : int { OK = 0, NEEDS_NFC = 1 };
+enum Status : int { OK = 0, NEEDS_NFC = 1, SURROGATE = 2 };
 
 class Engine {
  public:
@@ -465,21 +465,30 @@ class Engine {
     if (e > i) return e;
     if (c & L) return run(s, i + 1, b, L);
     if (!is_r(cp) && !(c & (L | N)) && i + 1 < b && (cls(s[i + 1]) & L)) return run(s, i + 2, b, L);
-    if (c & N) {
-      int64_t lim = std::min<int64_t>(b, i + (t.rules == QWEN ? 1 : 3));
-      int64_t j = i + 1;
-      while (j < lim && (cls(s[j]) & N)) ++j;
-      return j;
-    }
-    int64_t j = i;
-    if (cp == ' ' && i + 1 < b && !(cls(s[i + 1]) & (W | L | N))) j = i + 1;
-    if (!(cls(s[j]) & (W | L | N))) {
-      int64_t k = j + 1;
-      while (k < b && !(cls(s[k]) & (W | L | N))) ++k;
-      while (k < b && is_r(s[k])) ++k;
-      return k;
-    }
+    if (c & N) return digits(s, i, b, t.rules == QWEN ? 1 : 3);
+    int64_t e2 = punct(s, i, b, false);
+    if (e2 > i) return e2;
     return whitespace(s, i, b, t.rules == CL100K_TT);
+  }
+
+  // \p{N}{1,max} at i (s[i] is a digit)
+  template <class T>
+  inline int64_t digits(const T* s, int64_t i, int64_t b, int64_t max) const {
+    int64_t lim = std::min<int64_t>(b, i + max), j = i + 1;
+    while (j < lim && (cls(s[j]) & N)) ++j;
+    return j;
+  }
+
+  // ' ?[^\s\p{L}\p{N}]+[\r\n]*' (o200k: '[\r\n/]*') at i: its end, or i when it does not match
+  template <class T>
+  inline int64_t punct(const T* s, int64_t i, int64_t b, bool slash) const {
+    int64_t j = i;
+    if (s[i] == ' ' && i + 1 < b && !(cls(s[i + 1]) & (W | L | N))) j = i + 1;
+    if (cls(s[j]) & (W | L | N)) return i;
+    int64_t k = j + 1;
+    while (k < b && !(cls(s[k]) & (W | L | N))) ++k;
+    while (k < b && (is_r(s[k]) || (slash && s[k] == '/'))) ++k;
+    return k;
   }
 
   // o200k: U* l+ from j (with U*'s backtracking), its end or -1
@@ -505,20 +514,9 @@ class Engine {
     if (x && i + 1 < b && (cls(s[i + 1]) & UP)) return contraction(s, run(s, run(s, i + 2, b, UP), b, LO), b);
     if (c & UP) return contraction(s, run(s, run(s, i + 1, b, UP), b, LO), b);
     // (3) N{1,3}
-    if (c & N) {
-      int64_t lim = std::min<int64_t>(b, i + 3), j = i + 1;
-      while (j < lim && (cls(s[j]) & N)) ++j;
-      return j;
-    }
+    if (c & N) return digits(s, i, b, 3);
     // (4) ' ?Q+[\r\n/]*'
-    int64_t j = i;
-    if (cp == ' ' && i + 1 < b && !(cls(s[i + 1]) & (W | L | N))) j = i + 1;
-    if (!(cls(s[j]) & (W | L | N))) {
-      int64_t k = j + 1;
-      while (k < b && !(cls(s[k]) & (W | L | N))) ++k;
-      while (k < b && (is_r(s[k]) || s[k] == '/')) ++k;
-      return k;
-    }
+    if ((e = punct(s, i, b, true)) > i) return e;
     return whitespace(s, i, b, false);
   }
 
@@ -607,6 +605,10 @@ class Engine {
   // Encode the code points s[0, n) (a str's PEP 393 data: T = uint8_t, uint16_t or uint32_t).
   template <class T>
   int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out) const {
+    if (sizeof(T) > 1 && !ascii) {  // a lone surrogate has no UTF-8: the references raise on it
+      for (int64_t i = 0; i < n; ++i)
+        if ((uint32_t(s[i]) & 0xFFFFF800u) == 0xD800u) return SURROGATE;
+    }
     if (check_nfc && nfc && !ascii) {
       for (int64_t i = 0; i < n; ++i)
         if (s[i] >= 0x80 && !(cls(s[i]) & NFC_INERT)) return NEEDS_NFC;

@@ -71,7 +71,7 @@ static inline bool decode_utf8(const uint8_t* b, int64_t n, std::vector<uint32_t
       if ((b[i + j] & 0xC0) != 0x80) return false;
       c = (c << 6) | (b[i + j] & 0x3F);
     }
-    if (c > 0x10FFFF) return false;
+    if (c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) return false;
     cps.push_back(c);
     at.push_back(i);
     i += k;
