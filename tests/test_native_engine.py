@@ -153,7 +153,7 @@ def _core_args(tok):
     bt = bpe_tables(tok)
     return (table, bt.byte_to_id, bt.pair_keys, bt.pair_rank, bt.pair_merged, bt.pair_bits, bt.vocab_keys,
             bt.vocab_ids, bt.vocab_bits, bt.tok_off, bt.tok_blob, bt.max_piece_lookup, bt.whole_piece_lookup,
-            fam.nfc, [], [])
+            fam.nfc, [], [], tok.token_len, tok.table.uncertain.astype(np.uint8))
 
 
 # -- pieces ----------------------------------------------------------------------------------
@@ -336,16 +336,57 @@ def test_session_and_full_path_use_it_and_stay_exact(name):
 def _append_session(tok, text: str, deltas: list[str], tally, check_every: int = 1) -> toktier.Session:
     s = toktier.Session(tok, text)
     for i, d in enumerate(deltas):
+        check = i % check_every == 0 or i == len(deltas) - 1
+        before = s.ids.copy() if check else None
         r = s.append(d)
         text += d
-        if i % check_every == 0 or i == len(deltas) - 1:
+        if check:
             ref = tok.engine.encode(text)
             assert np.array_equal(r.ids, ref), f"{tok.name}: append {i} ({d[:40]!r}) diverged"
-            m = min(len(ref), r.first_changed)
             tally(tok, "session", 1)
-            assert r.first_changed <= len(ref)
-            del m
+            m = min(len(ref), len(before))
+            diff = np.flatnonzero(ref[:m] != before[:m])
+            assert r.first_changed == (int(diff[0]) if len(diff) else m), f"{tok.name}: append {i}"
     return s
+
+
+def _checkpoints_from_scratch(tok, ids: np.ndarray) -> np.ndarray:
+    from toktier.offsets import SparseOffsets
+
+    fresh = SparseOffsets(tok.token_len)
+    fresh.reserve_for(len(ids))
+    fresh.rebuild(ids)
+    return fresh.checkpoints()
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_lane_commit_in_place_and_when_buffers_must_grow(name, tally):
+    # The lane writes its splice into the session's buffers when they have room, and hands the
+    # splice back when one must grow first: both ways give the reference IDs, the exact
+    # first_changed and the checkpoints a from-scratch rebuild gives.
+    tok = get_tokenizer(name)
+    text = _stable(tok, large_text(20_000, kind="code"))
+    s = toktier.Session(tok, text)
+    grown = in_place = 0
+    deltas = _stable(tok, large_text(40_000, seed=7, kind="mixed"))
+    for k in range(0, 28_000, 700):
+        cap_ids, cap_cp = len(s._ids.buffer), len(s._starts.raw()[0])
+        lane_before = s.stats.lane
+        before = s.ids.copy()
+        r = s.append(deltas[k:k + 700])
+        ref = tok.engine.encode(s.text)
+        assert np.array_equal(r.ids, ref)
+        m = min(len(ref), len(before))
+        diff = np.flatnonzero(ref[:m] != before[:m])
+        assert r.first_changed == (int(diff[0]) if len(diff) else m)
+        assert np.array_equal(s._starts.checkpoints(), _checkpoints_from_scratch(tok, s.ids))
+        tally(tok, "session", 1)
+        if s.stats.lane > lane_before:
+            if len(s._ids.buffer) > cap_ids or len(s._starts.raw()[0]) > cap_cp:
+                grown += 1
+            else:
+                in_place += 1
+    assert grown and in_place, (grown, in_place)
 
 
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)

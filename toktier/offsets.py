@@ -45,6 +45,15 @@ class SparseOffsets:
         """The checkpoints (uint32 view: the byte start of every `STRIDE`-th token), for compiled readers."""
         return self._cp.view()
 
+    def raw(self) -> tuple[np.ndarray, int]:
+        """(the whole checkpoint buffer, checkpoints used), for a compiled commit that writes in place
+        and then calls `set_count`."""
+        return self._cp.buffer, self._cp.n
+
+    def set_count(self, n_cp: int) -> None:
+        """Checkpoints used after a compiled commit wrote them into `raw()`'s buffer."""
+        self._cp.n = n_cp
+
     def reserve_for(self, n_tokens: int) -> None:
         """Allocate for `n_tokens` tokens now (so a later rebuild cannot fail half-way)."""
         self._cp.reserve(-(-n_tokens // STRIDE))

@@ -444,13 +444,21 @@ class Session:
             # The compiled lane does the first window's splice in one call, with the same
             # certificate; when it declines, the path below runs from scratch.  (Changes the full
             # path would parallelize, or send to a GPU, go below: their window goes there.)
-            status, k1, k2, q1, q2, nfresh, mid = tok.native.edit_lane(
-                T, s, e, data, self._ids.view(), self._starts.checkpoints(), STRIDE, self.window)
+            # It also writes the splice into the buffers when they have room (no Python array work).
+            cp_buf, n_cp = self._starts.raw()
+            status, k1, k2, q1, q2, nfresh, first_changed, new_n, new_cp, mid = tok.native.edit_commit(
+                T, s, e, data, self._ids.buffer, self._ids.n, cp_buf, n_cp, STRIDE, self.window)
             self.stats.tokens_retokenized += nfresh
             if status == 0:
                 self.stats.lane += 1
-                return self._commit(s, e, data, dchars, _Side(True, k1, 0, q1), _Side(True, k2, 0, q2), mid,
-                                    len(data) - (e - s), 0, [])
+                if mid is not None:  # certified, but a buffer must grow first
+                    return self._commit(s, e, data, dchars, _Side(True, k1, 0, q1), _Side(True, k2, 0, q2), mid,
+                                        len(data) - (e - s), 0, [])
+                self._ids.n = new_n
+                self._starts.set_count(new_cp)
+                self._finish_text(s, e, data, dchars)
+                self.stats.first_window += 1
+                return OpResult(self._ids.view(), first_changed, RepairPath.FIRST_WINDOW, 0)
         lx = len(data)
         delta = lx - (e - s)
         nfc = tok.family_info.nfc
@@ -712,6 +720,17 @@ class Session:
         end = int(c_starts[last]) + int(self.tokenizer.token_len[c_ids[last]])
         return end - int(c_starts[c0]) > self.tokenizer.max_token_bytes
 
+    def _finish_text(self, s: int, e: int, data: bytes, dchars: int) -> None:
+        """The text side of a committed splice (the token arrays are already updated)."""
+        if s == e == len(self._text):
+            self._text += data
+        else:
+            self._text[s:e] = data
+        if self._lookback:
+            self._lookback = {k: v for k, v in self._lookback.items() if v[0] <= s}
+        self._nchars += dchars
+        self._ascii = self._ascii and data.isascii()  # conservative after deletions
+
     def _commit(self, s: int, e: int, data: bytes, dchars: int, left: _Side, right: _Side,
                 mid: np.ndarray, delta: int, widenings: int, wspans: list[tuple[int, int, int]]) -> OpResult:
         k1, k2 = left.cached_idx, right.cached_idx
@@ -731,14 +750,7 @@ class Session:
                             + [sp for sp in wspans if sp[0] >= left.pos and sp[1] <= right.pos]
                             + [(a + delta, b + delta, d) for a, b, d in self._dirty if a >= old_right])
         first_changed = _first_difference(self._ids.view(), k1, old_seg, len(mid))
-        if s == e == len(self._text):
-            self._text += data
-        else:
-            self._text[s:e] = data
-        if self._lookback:
-            self._lookback = {k: v for k, v in self._lookback.items() if v[0] <= s}
-        self._nchars += dchars
-        self._ascii = self._ascii and data.isascii()  # conservative after deletions
+        self._finish_text(s, e, data, dchars)
         if left.glued or right.glued:
             self.stats.glued += 1
         path = RepairPath.FIRST_WINDOW if widenings == 0 else RepairPath.WIDENED

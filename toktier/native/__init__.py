@@ -119,6 +119,17 @@ class NativeEngine:
         finally:
             self._give(cache)
 
+    def edit_commit(self, text: bytearray, s: int, e: int, data: bytes, ids: np.ndarray, n: int, checkpoints: np.ndarray,
+                    n_cp: int, stride: int, window: int):
+        """`edit_lane`, then its splice written in place into the session's buffers (`RepairLane.edit_commit`):
+        (status, k1, k2, left cut, right cut, fresh count, first changed, new n, new n_cp, mid)."""
+        lane = self.lane()
+        cache = self._take()
+        try:
+            return lane.edit_commit(text, s, e, data, ids, n, checkpoints, n_cp, stride, window, window, cache)
+        finally:
+            self._give(cache)
+
     def pieces(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(piece start character offsets, literal id per piece or -1) of the native pre-tokenizer."""
         return self._core.pieces(text)
@@ -161,7 +172,8 @@ def build(tok) -> tuple[NativeEngine | None, str | None]:
     second = [(lit.content, int(lit_ids[lit.content])) for lit in lits if lit.normalized]
     core = _core.CoreEngine(str(rules), table, bt.byte_to_id, bt.pair_keys, bt.pair_rank, bt.pair_merged,
                             bt.pair_bits, bt.vocab_keys, bt.vocab_ids, bt.vocab_bits, bt.tok_off, bt.tok_blob,
-                            bt.max_piece_lookup, bt.whole_piece_lookup, fam.nfc, first, second)
+                            bt.max_piece_lookup, bt.whole_piece_lookup, fam.nfc, first, second,
+                            tok.token_len, tok.table.uncertain.astype(np.uint8))
     return NativeEngine(tok, core, str(rules)), None
 
 

@@ -60,7 +60,10 @@ cdef extern from "engine.hpp" namespace "ttn":
         int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
         void pieces[T](const T* s, int64_t n, vector[int64_t]& starts, vector[int64_t]& lit_flags) except + nogil
         void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, vector[uint32_t]& out) except + nogil
+        size_t n_records()
         void build_short_vocab() except +
+        void build_records(const uint32_t* token_len, const uint8_t* uncertain, int64_t n_ids,
+                           int64_t n_vocab) except +
 
 
 RULES = {"cl100k_hf": 0, "cl100k_tt": 1, "qwen": 2, "o200k": 3, "deepseek": 4}
@@ -121,7 +124,8 @@ cdef class CoreEngine:
 
     def __init__(self, str rules, cls, byte_to_id, pair_keys, pair_rank, pair_merged, int pair_bits,
                  vocab_keys, vocab_ids, int vocab_bits, tok_off, tok_blob, int max_piece_lookup,
-                 bint whole_piece_lookup, bint nfc, list literals_first, list literals_second):
+                 bint whole_piece_lookup, bint nfc, list literals_first, list literals_second,
+                 token_len=None, uncertain=None):
         arrays = [np.ascontiguousarray(a) for a in (cls, byte_to_id, pair_keys, pair_rank, pair_merged,
                                                      vocab_keys, vocab_ids, tok_off, tok_blob)]
         want = (np.uint32, np.uint32, np.uint64, np.uint32, np.uint32, np.uint64, np.uint32, np.uint32, np.uint8)
@@ -162,6 +166,14 @@ cdef class CoreEngine:
         self.e.t.whole_piece_lookup = whole_piece_lookup
         self.e.nfc = nfc
         self.e.build_short_vocab()
+        cdef const uint32_t[::1] tl
+        cdef const uint8_t[::1] un
+        if token_len is not None:  # per-token records: what a window's tokens read, one line each
+            tl = np.ascontiguousarray(token_len, dtype=np.uint32)
+            un = np.ascontiguousarray(uncertain, dtype=np.uint8)
+            if len(tl) != len(un) or len(tl) == 0:
+                raise ValueError("token_len and uncertain must be non-empty and of one length")
+            self.e.build_records(&tl[0], &un[0], len(tl), len(arrays[7]) - 1)
         cdef uint32_t[::1] cps
         for second, lits in ((False, literals_first), (True, literals_second)):
             for content, lid in lits:
@@ -242,12 +254,20 @@ cdef extern from "repair.hpp" namespace "ttn":
         int64_t k1, k2, q, q2, fresh
         vector[uint32_t] mid
 
+    cdef cppclass Lane
+
     cdef cppclass Cached "ttn::Lane::Cached":
         const uint32_t* ids
         int64_t N
         const uint32_t* cp
         int64_t n_cp, stride
-        const uint32_t* len
+        const Lane* lane
+
+    cdef cppclass Buffers "ttn::Lane::Buffers":
+        uint32_t* ids
+        int64_t n, cap
+        uint32_t* cp
+        int64_t n_cp, cp_cap, stride
 
     cdef cppclass Lane:
         const Engine* eng
@@ -255,6 +275,7 @@ cdef extern from "repair.hpp" namespace "ttn":
         Trie lit_bytes
         int edit(const uint8_t* T, int64_t n_old, int64_t s, int64_t e, const uint8_t* data, int64_t n_data,
                  const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, LaneResult& res) except + nogil
+        cbool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) nogil
 
 
 LANE_STATUS = {0: "ok", 1: "no certified cut in the first window", 2: "one-byte run before the change",
@@ -280,6 +301,8 @@ cdef class RepairLane:
                   np.ascontiguousarray(group, dtype=np.uint8), np.ascontiguousarray(pairs, dtype=np.uint8)]
         if len(arrays[0]) != len(arrays[1]) or len(arrays[2]) != 0x110000 or len(arrays[3]) == 0:
             raise ValueError("lane tables have the wrong sizes")
+        if core.e.n_records() < len(arrays[0]):
+            raise ValueError("the engine was built without per-token records (CoreEngine token_len=...)")
         self._keep = [core, arrays]
         cdef const uint32_t[::1] tl = arrays[0]
         cdef const uint8_t[::1] un = arrays[1]
@@ -323,9 +346,53 @@ cdef class RepairLane:
         C.cp = &CP[0]
         C.n_cp = len(CP)
         C.stride = stride
-        C.len = self.lane.t.token_len
+        C.lane = self.lane
         with nogil:
             self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], res)
         if res.status != 0:
             return res.status, 0, 0, 0, 0, res.fresh, None
         return 0, res.k1, res.k2, res.q, res.q2, res.fresh, _u32(res.mid.data(), res.mid.size())
+
+    def edit_commit(self, text, int64_t s, int64_t e, bytes data, ids_buffer, int64_t n, cp_buffer, int64_t n_cp,
+                    int64_t stride, int64_t wl, int64_t wr, PieceCacheBox cache):
+        """`edit`, then its splice written in place: `ids_buffer[:n]` are the session's tokens and
+        `cp_buffer[:n_cp]` their checkpoints (both uint32, writable, with spare capacity).
+
+        Returns (status, k1, k2, left cut, right cut, fresh count, first changed, new n, new
+        n_cp, mid).  Status 0 with mid None: committed, the buffers hold the new state.  Status 0
+        with mid: certified but a buffer is too small, nothing written (the caller grows it and
+        splices `mid` itself).  Other statuses: declined, nothing written."""
+        cdef const uint8_t[::1] T = text
+        cdef uint32_t[::1] I = ids_buffer
+        cdef uint32_t[::1] CP = cp_buffer
+        cdef const uint8_t* d = data
+        cdef LaneResult res
+        cdef Cached C
+        cdef Buffers B
+        cdef int64_t n_old = len(T), n_data = len(data), first = 0
+        cdef cbool done = False
+        if (n_old == 0 or n == 0 or n > len(I) or n_cp != (n + stride - 1) // stride or n_cp > len(CP)
+                or not 0 <= s <= e <= n_old):
+            return 1, 0, 0, 0, 0, 0, 0, n, n_cp, None
+        C.ids = &I[0]
+        C.N = n
+        C.cp = &CP[0]
+        C.n_cp = n_cp
+        C.stride = stride
+        C.lane = self.lane
+        B.ids = &I[0]
+        B.n = n
+        B.cap = len(I)
+        B.cp = &CP[0]
+        B.n_cp = n_cp
+        B.cp_cap = len(CP)
+        B.stride = stride
+        with nogil:
+            self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], res)
+            if res.status == 0:
+                done = self.lane.commit(res, B, first)
+        if res.status != 0:
+            return res.status, 0, 0, 0, 0, res.fresh, 0, n, n_cp, None
+        if done:
+            return 0, res.k1, res.k2, res.q, res.q2, res.fresh, first, B.n, B.n_cp, None
+        return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid.data(), res.mid.size())

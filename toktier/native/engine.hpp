@@ -21,6 +21,9 @@
 #include <queue>
 #include <unordered_map>
 #include <vector>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 namespace ttn {
 
@@ -53,6 +56,63 @@ struct Tables {
   int max_piece_lookup = 0;
   bool whole_piece_lookup = false;
   int rules = CL100K_HF;
+};
+
+// -- big tables, on huge pages where the kernel offers them ------------------------------------
+// The hot per-token tables (short vocab, token records, piece cache) are read at random, a few
+// lines per token; with 4 KiB pages nearly every such read of a window encoded with cold caches
+// also misses the TLB.  Backed by 2 MiB pages (MADV_HUGEPAGE) they cost one miss each.
+template <class T>
+class HugeArray {
+ public:
+  HugeArray() = default;
+  explicit HugeArray(size_t n) { allocate(n); }
+  HugeArray(const HugeArray&) = delete;
+  HugeArray& operator=(const HugeArray&) = delete;
+  ~HugeArray() { release(); }
+
+  // n zero-filled elements (T must be trivially constructible from zero bytes)
+  void allocate(size_t n) {
+    release();
+    n_ = n;
+    const size_t bytes = std::max<size_t>(n * sizeof(T), 1);
+#ifdef __linux__
+    constexpr size_t HUGE = size_t(2) << 20;
+    if (bytes >= HUGE / 2) {
+      map_bytes_ = (bytes + HUGE - 1) / HUGE * HUGE + HUGE;  // room to align to a huge page
+      void* m = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) throw std::bad_alloc();
+      map_ = m;
+      uintptr_t a = (reinterpret_cast<uintptr_t>(m) + HUGE - 1) & ~(uintptr_t(HUGE) - 1);
+      madvise(reinterpret_cast<void*>(a), map_bytes_ - HUGE, MADV_HUGEPAGE);  // advice only
+      p_ = reinterpret_cast<T*>(a);
+      return;
+    }
+#endif
+    p_ = static_cast<T*>(::operator new(bytes));
+    std::memset(static_cast<void*>(p_), 0, bytes);
+  }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  T& operator[](size_t i) { return p_[i]; }
+  const T& operator[](size_t i) const { return p_[i]; }
+  T* begin() { return p_; }
+  T* end() { return p_ + n_; }
+  const T* data() const { return p_; }
+
+ private:
+  void release() {
+#ifdef __linux__
+    if (map_) { munmap(map_, map_bytes_); map_ = nullptr; p_ = nullptr; n_ = 0; return; }
+#endif
+    if (p_) ::operator delete(static_cast<void*>(p_));
+    p_ = nullptr;
+    n_ = 0;
+  }
+  T* p_ = nullptr;
+  size_t n_ = 0;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
 };
 
 // -- literal tries (over code points) ---------------------------------------------------------
@@ -134,7 +194,7 @@ struct PieceCache {
   };
   static_assert(sizeof(Slot) == 64, "one cache line per entry");
   static constexpr size_t CAP = 1 << 16;  // 4 MiB; cleared when half full
-  std::vector<Slot> slots;
+  HugeArray<Slot> slots;
   size_t n_used = 0;
   uint64_t hits = 0, misses = 0;
 
@@ -244,9 +304,48 @@ class Engine {
   static constexpr uint32_t SHORT_MAX = 18;
   struct alignas(32) VSlot { uint64_t h; uint32_t id; uint8_t len, used; uint8_t bytes[SHORT_MAX]; };
   static_assert(sizeof(VSlot) == 32, "two slots per cache line");
-  std::vector<VSlot> short_vocab;
+  HugeArray<VSlot> short_vocab;
   uint64_t short_mask = 0;
   int short_bits = 0;
+
+  // One 16-byte record per token id, what the hot paths read per token (the byte length for
+  // offsets, the repair lane's flags and spelling check, short tokens' bytes inline): one line
+  // instead of three or four tables (`build_records`).
+  static constexpr uint32_t REC_INLINE = 7;
+  static constexpr uint8_t REC_UNCERTAIN = 1, REC_LEN_DIFFERS = 2;
+  struct alignas(16) TokRec {
+    uint32_t off;   // into tok_blob
+    uint16_t blen;  // bytes in tok_blob
+    uint16_t len;   // canonical byte length (the session's offsets)
+    uint8_t flags;  // REC_*: the lane declines a fresh token with any flag
+    uint8_t b[REC_INLINE];
+  };
+  static_assert(sizeof(TokRec) == 16, "four records per cache line");
+  HugeArray<TokRec> recs;
+
+  // token_len / uncertain: per id (the tokenizer's canonical lengths and unproven-span flags)
+  void build_records(const uint32_t* token_len, const uint8_t* uncertain, int64_t n_ids, int64_t n_vocab) {
+    recs.allocate(size_t(std::max(n_ids, n_vocab)));
+    for (int64_t id = n_vocab; id < n_ids; ++id)  // ids without bytes: never spliced
+      recs[size_t(id)].flags = REC_UNCERTAIN | REC_LEN_DIFFERS;
+    for (int64_t id = 0; id < n_vocab; ++id) {
+      TokRec& r = recs[size_t(id)];
+      const uint32_t o = t.tok_off[id], n = t.tok_off[id + 1] - o;
+      r.off = o;
+      r.blen = uint16_t(std::min<uint32_t>(n, 0xFFFF));
+      const uint32_t canon = id < n_ids ? token_len[id] : n;
+      r.len = uint16_t(std::min<uint32_t>(canon, 0xFFFF));
+      r.flags = 0;
+      if (id >= n_ids || uncertain[id]) r.flags |= REC_UNCERTAIN;
+      if (canon != n || n > 0xFFFF) r.flags |= REC_LEN_DIFFERS;
+      std::memcpy(r.b, t.tok_blob + o, std::min<uint32_t>(n, REC_INLINE));
+    }
+  }
+  size_t n_records() const { return recs.size(); }
+  inline uint32_t blen(uint32_t id) const {
+    if (recs.empty() || (recs[id].flags & REC_LEN_DIFFERS)) return t.tok_off[id + 1] - t.tok_off[id];
+    return recs[id].blen;
+  }
 
   void build_short_vocab() {
     size_t count = 0;
@@ -255,7 +354,7 @@ class Engine {
       if (t.vocab_ids[i] != EMPTY32) ++count;
     short_bits = 4;
     while ((size_t(1) << short_bits) < 2 * count + 16) ++short_bits;
-    short_vocab.assign(size_t(1) << short_bits, VSlot{0, 0, 0, 0, {0}});
+    short_vocab.allocate(size_t(1) << short_bits);  // zero-filled: every slot unused
     short_mask = (uint64_t(1) << short_bits) - 1;
     for (size_t i = 0; i < cap; ++i) {
       const uint32_t id = t.vocab_ids[i];
@@ -674,7 +773,7 @@ class Engine {
             int64_t off = base + batch[i].first;
             for (uint32_t k = first_tok[i]; k < first_tok[i + 1]; ++k) {
               out.starts.push_back(off);
-              off += t.tok_off[out.ids[k] + 1] - t.tok_off[out.ids[k]];
+              off += blen(out.ids[k]);
             }
           }
         }

@@ -81,9 +81,15 @@ static inline bool decode_utf8(const uint8_t* b, int64_t n, std::vector<uint32_t
 
 class Lane {
  public:
-  const Engine* eng = nullptr;
+  const Engine* eng = nullptr;  // with its token records built (`Engine::build_records`)
   LaneTables t;
   Trie lit_bytes;  // every active literal, over UTF-8 bytes (term = 1)
+
+  // canonical byte length of a cached token (its record, one line shared with the fresh tokens)
+  inline uint32_t clen(uint32_t id) const {
+    const Engine::TokRec& r = eng->recs[id];
+    return (r.flags & Engine::REC_LEN_DIFFERS) ? t.token_len[id] : r.len;
+  }
 
   // Whether a literal occurrence in buf[0, n) crosses position x (LiteralIndex.crossed).
   bool crossed(const uint8_t* buf, int64_t n, int64_t x) const {
@@ -110,17 +116,18 @@ class Lane {
     int64_t N;
     const uint32_t* cp;  // cp[j] = byte start of token j * stride
     int64_t n_cp, stride;
-    const uint32_t* len;
+    const Lane* lane;
+    inline uint32_t len(uint32_t id) const { return lane->clen(id); }
     // first token starting at or after byte `pos`, and its start (N and the text end if none)
     void locate(int64_t pos, int64_t& k, int64_t& start) const {
       int64_t j = int64_t(std::upper_bound(cp, cp + n_cp, uint32_t(std::min<int64_t>(pos, 0xFFFFFFFF))) - cp) - 1;
       if (j < 0) { k = 0; start = 0; }
       else { k = j * stride; start = cp[j]; }
-      while (k < N && start < pos) { start += len[ids[k]]; ++k; }
+      while (k < N && start < pos) { start += len(ids[k]); ++k; }
     }
     int64_t start_of(int64_t k) const {  // byte start of token k (k < N)
       int64_t j = k / stride, st = cp[j];
-      for (int64_t x = j * stride; x < k; ++x) st += len[ids[x]];
+      for (int64_t x = j * stride; x < k; ++x) st += len(ids[x]);
       return st;
     }
   };
@@ -217,8 +224,8 @@ class Lane {
     const std::vector<int64_t>& fst = out.starts;  // window-local
     const int64_t nf = int64_t(fresh.size());
     res.fresh = nf;
-    for (uint32_t id : fresh)
-      if (id >= uint32_t(t.n_ids) || t.uncertain[id]) return res.status = LANE_UNCERTAIN;
+    for (uint32_t id : fresh)  // also a canonical length that differs from the token's bytes
+      if (id >= uint32_t(t.n_ids) || eng->recs[id].flags) return res.status = LANE_UNCERTAIN;
     // literal buffers: new text [lo, hi_old + delta), old text [lo, hi_old)
     const int64_t lo = std::max<int64_t>(0, p - t.max_literal);
     const int64_t hi_old = std::min<int64_t>(n_old, r + t.max_literal);
@@ -236,7 +243,7 @@ class Lane {
       C.locate(p, k_lo, c0s);
       C.locate(s, k_hi, c1s);
       std::vector<int64_t> cs;
-      for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a); a += C.len[C.ids[x]]; }
+      for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a); a += C.len(C.ids[x]); }
       std::vector<int64_t> fs;
       for (int64_t j = 0; j < nf && fst[j] + p < s; ++j) fs.push_back(fst[j]);
       std::vector<Run> runs;
@@ -245,7 +252,7 @@ class Lane {
       for (const Run& rn : runs) {
         if (rn.len < 2) continue;
         const int64_t last = rn.c0 + rn.len - 1;
-        if (cs[last] + C.len[C.ids[k_lo + last]] - cs[rn.c0] <= t.max_token_bytes) continue;
+        if (cs[last] + C.len(C.ids[k_lo + last]) - cs[rn.c0] <= t.max_token_bytes) continue;
         for (int64_t m = last; m >= rn.c0 + 1; --m) {  // the latest certified start wins
           const int64_t q = cs[m];
           if (q <= p || q >= s) continue;
@@ -269,7 +276,7 @@ class Lane {
       C.locate(e, k_lo, c0s);
       C.locate(r, k_hi, c1s);
       std::vector<int64_t> cs;
-      for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a + delta); a += C.len[C.ids[x]]; }
+      for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a + delta); a += C.len(C.ids[x]); }
       int64_t j_lo = 0;
       while (j_lo < nf && fst[j_lo] + p < mid_end) ++j_lo;
       std::vector<int64_t> fs(fst.begin(), fst.end());
@@ -279,7 +286,7 @@ class Lane {
       for (const Run& rn : runs) {
         if (rn.len < 2) continue;
         const int64_t last = rn.c0 + rn.len - 1;
-        if (cs[last] + C.len[C.ids[k_lo + last]] - cs[rn.c0] <= t.max_token_bytes) continue;
+        if (cs[last] + C.len(C.ids[k_lo + last]) - cs[rn.c0] <= t.max_token_bytes) continue;
         for (int64_t m = rn.c0 + 1; m <= last; ++m) {  // the earliest certified start wins
           const int64_t q = cs[m];
           if (q <= mid_end) continue;
@@ -297,11 +304,12 @@ class Lane {
     if (lj > rj) return res.status = LANE_NO_RUN;
     // the fresh tokens between the cuts spell the new text between them, byte for byte
     int64_t w = lq - p;
-    for (int64_t x = lj; x < rj; ++x) {
-      const uint32_t o = eng->t.tok_off[fresh[x]], len = eng->t.tok_off[fresh[x] + 1] - o;
-      if (len != t.token_len[fresh[x]] || w + len > int64_t(win.size()) ||
-          std::memcmp(eng->t.tok_blob + o, win.data() + w, len) != 0)
-        return res.status = LANE_TILING;
+    for (int64_t x = lj; x < rj; ++x) {  // flags are clear: the canonical length is the bytes'
+      const Engine::TokRec& rec = eng->recs[fresh[x]];
+      const uint32_t len = rec.blen;
+      if (w + len > int64_t(win.size())) return res.status = LANE_TILING;
+      const uint8_t* bytes = len <= Engine::REC_INLINE ? rec.b : eng->t.tok_blob + rec.off;
+      if (std::memcmp(bytes, win.data() + w, len) != 0) return res.status = LANE_TILING;
       w += len;
     }
     if (w != rq - p) return res.status = LANE_TILING;
@@ -311,6 +319,51 @@ class Lane {
     res.q2 = rq;
     res.mid.assign(fresh.begin() + lj, fresh.begin() + rj);
     return res.status = LANE_OK;
+  }
+
+  // -- the commit, in place over the session's buffers -----------------------------------------
+  struct Buffers {
+    uint32_t* ids;     // the session's id buffer: ids[0, n) used, capacity `cap`
+    int64_t n, cap;
+    uint32_t* cp;      // its checkpoints: cp[0, n_cp) used, capacity `cp_cap`
+    int64_t n_cp, cp_cap, stride;
+  };
+
+  // First index where ids[0, n) with [k1, k2) replaced by `mid` differs from ids itself
+  // (`session._first_difference`): the work follows the answer's distance from k1.
+  static int64_t first_difference(const uint32_t* ids, int64_t n, int64_t k1, int64_t k2,
+                                  const std::vector<uint32_t>& mid) {
+    const int64_t lm = int64_t(mid.size()), new_n = n - (k2 - k1) + lm, m = std::min(n, new_n);
+    for (int64_t x = k1; x < m; ++x) {
+      const int64_t i = x - k1;
+      const uint32_t now = i < lm ? mid[size_t(i)] : ids[k2 + (i - lm)];
+      if (now != ids[x]) return x;
+    }
+    return m;
+  }
+
+  // Splice `res.mid` into the buffers (ids[k1, k2) replaced) and rebuild the checkpoints from
+  // token k1, whose byte start is res.q.  Returns false, touching nothing, when a buffer is too
+  // small (the caller grows it and commits the slow way).  No allocation, so it cannot fail
+  // half-way.
+  bool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) const {
+    const int64_t k1 = res.k1, k2 = res.k2, lm = int64_t(res.mid.size());
+    const int64_t new_n = b.n - (k2 - k1) + lm;
+    const int64_t new_cp = (new_n + b.stride - 1) / b.stride;
+    if (new_n > b.cap || new_cp > b.cp_cap) return false;
+    first_changed = first_difference(b.ids, b.n, k1, k2, res.mid);
+    if (k2 < b.n && k1 + lm != k2)
+      std::memmove(b.ids + k1 + lm, b.ids + k2, size_t(b.n - k2) * sizeof(uint32_t));
+    if (lm) std::memcpy(b.ids + k1, res.mid.data(), size_t(lm) * sizeof(uint32_t));
+    // checkpoints before k1 stay: the tokens before the splice did not move
+    int64_t j = (k1 + b.stride - 1) / b.stride, x = k1, st = res.q;
+    for (; j < new_cp; ++j) {
+      for (const int64_t to = j * b.stride; x < to; ++x) st += clen(b.ids[x]);
+      b.cp[j] = uint32_t(st);
+    }
+    b.n = new_n;
+    b.n_cp = new_cp;
+    return true;
   }
 };
 
