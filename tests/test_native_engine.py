@@ -504,3 +504,59 @@ def test_lane_rejects_encoded_surrogates_and_truncated_utf8():
     for bad in (b"\xed\xa0\x80", b"\xe4\xb8", b"\xff"):
         status, *_ = tok.native.edit_lane(s._text, len(s._text), len(s._text), bad, ids, cp, 64, s.window)
         assert status == 5  # LANE_BAD_UTF8: the session's own path decides (and raises InvalidText)
+
+
+# -- compiled chunks (the full path's parallel encode) -----------------------------------------
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@pytest.mark.parametrize("kind", ["code", "mixed", "multilingual"])
+def test_compiled_chunks_equal_one_reference_encode(name, kind, monkeypatch, tally):
+    # Small chunks force many cuts (literals, long pieces and multi-byte text near them); the
+    # compiled call encodes each chunk on its own thread, and the concatenation must be exactly
+    # one reference encode of the whole text.  Where a chunk needs the reference (an NFC-changeable
+    # character), the call declines and the chunk-by-chunk path answers, exactly as well.
+    from toktier.fullpath import FullPathConfig, _encode_cpu
+
+    tok = get_tokenizer(name)
+    base = large_text(60_000, seed=3, kind=kind)
+    lits = [lit.content for lit in tok.engine.literals if lit.content][:8]
+    text = "".join(base[i:i + 3_000] + (lits[(i // 3_000) % len(lits)] if lits else "")
+                   for i in range(0, len(base), 3_000))
+    answers = []
+    real = tok.native.encode_chunks
+
+    def spy(t, cuts):
+        out = real(t, cuts)
+        answers.append((len(cuts), out is not None))
+        return out
+
+    monkeypatch.setattr(tok.native, "encode_chunks", spy)
+    cfg = FullPathConfig(chunk_chars=4_096, native_min_parallel_chars=1)
+    ids, chunked = _encode_cpu(tok, text, cfg)
+    assert chunked and answers and answers[0][0] >= 8
+    assert np.array_equal(ids, tok.engine.encode(text))
+    if not (tok.family_info.nfc and kind != "code"):
+        assert answers[0][1], "the compiled call declined a text it can encode"
+    tally(tok, "fullpath", 1)
+
+
+def test_compiled_chunks_check_their_cuts():
+    tok = get_tokenizer("llama3")
+    box = [tok.native._take() for _ in range(4)]
+    with pytest.raises(ValueError):
+        tok.native._core.encode_chunks("abc def", [9], box[:2], False)
+    with pytest.raises(ValueError):
+        tok.native._core.encode_chunks("abc def", [3], box[:1], False)
+    with pytest.raises(ValueError):
+        tok.native._core.encode_chunks("abc def", [4, 3], box[:3], False)
+    text = "déjà vu, naïve café " * 50
+    from toktier.fullpath import chunk_cuts
+
+    cuts = chunk_cuts(tok, text, 250)[:3]
+    assert len(cuts) == 3
+    status, ids, starts = tok.native._core.encode_chunks(text, cuts, box, True)
+    assert status == 0 and ids.tolist() == tok.engine.encode(text).tolist()
+    lens = tok.token_len[ids].astype(np.int64)
+    assert starts.tolist() == (np.cumsum(lens) - lens).tolist()
+    for b in box:
+        tok.native._give(b)

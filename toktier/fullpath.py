@@ -127,6 +127,11 @@ def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> tuple[n
         # encode_fast releases the GIL (HF batch API, tiktoken), so a server thread
         # doing a session start never freezes the event loop.
         return tok.encode_fast(text), False
+    if engine == "native":
+        # one compiled call: a thread per chunk, this one included, no Python per chunk
+        ids = tok.native.encode_chunks(text, cuts)
+        if ids is not None:
+            return ids, True
     bounds = [0, *cuts, len(text)]
     chunks = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1), thread_name_prefix="toktier-chunk") as pool:

@@ -183,7 +183,7 @@ class Session:
             data = _to_utf8(text)
             if len(data) >= MAX_TEXT_BYTES:
                 raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
-            self._full(data, len(text), reason="initial text")
+            self._full(data, len(text), reason="initial text", text=text)
 
     # -- forks and primed sessions ---------------------------------------------
     def fork(self, *, allocator: Allocator | None = None) -> "Session":
@@ -374,14 +374,17 @@ class Session:
         new_text = bytes(self._text[:s]) + data + bytes(self._text[e:])
         return self._full(new_text, self._nchars + dchars, reason)
 
-    def _full(self, new_text: bytes, nchars: int, reason: str) -> OpResult:
+    def _full(self, new_text: bytes, nchars: int, reason: str, text: str | None = None) -> OpResult:
+        """Re-tokenize all of `new_text` (UTF-8; `text`: the same as a str when the caller has it)."""
         tok = self.tokenizer
         if len(new_text) >= 1 << 16 and self._spliceable:
             # once per tokenizer, inside this slower op: a long piece's first cut should not pay for it
             digit_table_of(tok)
             if tok.family_info.name == "o200k":
                 case_table_of(tok)
-        ids = self.full_path.encode(tok, new_text.decode("utf-8"))  # GPU or parallel chunks when large
+        if text is None:
+            text = new_text.decode("utf-8")
+        ids = self.full_path.encode(tok, text)  # GPU or parallel chunks when large
         old = self._ids.view()
         m = min(len(old), len(ids))
         diff = np.flatnonzero(old[:m] != ids[:m])

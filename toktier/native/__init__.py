@@ -93,6 +93,20 @@ class NativeEngine:
             self._give(cache)
         return ids, starts
 
+    def encode_chunks(self, text: str, cuts: list[int]) -> np.ndarray | None:
+        """Exactly ``tok.encode(text)`` for `text` cut at `cuts` (standalone-stable character offsets,
+        `fullpath.chunk_cuts`), one thread per chunk in compiled code; None when a chunk needs the
+        reference (an NFC-changeable character, a surrogate): the caller encodes chunk by chunk then."""
+        if self.demoted is not None:
+            return None
+        caches = [self._take() for _ in range(len(cuts) + 1)]
+        try:
+            status, ids, _ = self._core.encode_chunks(text, cuts, caches, False)
+        finally:
+            for cache in caches:
+                self._give(cache)
+        return ids if status == 0 else None
+
     def lane(self):
         """The compiled first-window splice of edits and appends (``repair.hpp``), built once per engine."""
         lane = self._lane

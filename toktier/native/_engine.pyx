@@ -58,6 +58,9 @@ cdef extern from "engine.hpp" namespace "ttn":
         Trie lit1, lit2
         cbool nfc
         int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
+        int encode_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
+                             const vector[PieceCache*]& caches, cbool want_starts, vector[Output]& outs,
+                             vector[int64_t]& nbytes) except + nogil
         void pieces[T](const T* s, int64_t n, vector[int64_t]& starts, vector[int64_t]& lit_flags) except + nogil
         void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, vector[uint32_t]& out) except + nogil
         size_t n_records()
@@ -210,6 +213,64 @@ cdef class CoreEngine:
             return status, None, None
         ids = _u32(out.ids.data(), out.ids.size())
         starts = _i64(out.starts.data(), out.starts.size()) if want_starts else None
+        return 0, ids, starts
+
+    def encode_chunks(self, str text, cuts, list caches, bint want_starts=False):
+        """`encode` of `text` cut at character offsets `cuts` (ascending, each a standalone-stable
+        boundary), one thread per chunk (this one encodes the first), each with its own cache
+        from `caches` (len(cuts) + 1 of them): (status, ids, byte starts or None)."""
+        if PyUnicode_GET_LENGTH(text) > MAX_CHARS:
+            return SURROGATE, None, None
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        cdef vector[int64_t] cv
+        cdef int64_t prev = 0
+        for c in cuts:
+            if not prev < c < n:
+                raise ValueError("cuts must be ascending offsets strictly inside the text")
+            cv.push_back(c)
+            prev = c
+        if len(caches) != cv.size() + 1:
+            raise ValueError("one piece cache per chunk")
+        cdef vector[PieceCache*] cv_caches
+        cdef PieceCacheBox box
+        for box in caches:
+            cv_caches.push_back(box.c)
+        cdef vector[Output] outs
+        cdef vector[int64_t] nbytes
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef cbool ascii = PyUnicode_IS_ASCII(text) != 0
+        cdef int status
+        with nogil:
+            if kind == 1:
+                status = self.e.encode_chunks[uint8_t](<const uint8_t*>data, n, ascii, cv, cv_caches, want_starts,
+                                                       outs, nbytes)
+            elif kind == 2:
+                status = self.e.encode_chunks[uint16_t](<const uint16_t*>data, n, ascii, cv, cv_caches, want_starts,
+                                                        outs, nbytes)
+            else:
+                status = self.e.encode_chunks[uint32_t](<const uint32_t*>data, n, ascii, cv, cv_caches, want_starts,
+                                                        outs, nbytes)
+        if status != 0:
+            return status, None, None
+        cdef size_t total = 0, i, j, at = 0
+        for i in range(outs.size()):
+            total += outs[i].ids.size()
+        ids = np.empty(total, dtype=np.uint32)
+        cdef uint32_t[::1] iv = ids
+        cdef int64_t[::1] sv
+        cdef int64_t base = 0
+        starts = np.empty(total, dtype=np.int64) if want_starts else None
+        if want_starts:
+            sv = starts
+        for i in range(outs.size()):
+            if outs[i].ids.size():
+                memcpy(&iv[at], outs[i].ids.data(), outs[i].ids.size() * sizeof(uint32_t))
+            if want_starts:
+                for j in range(outs[i].starts.size()):
+                    sv[at + j] = outs[i].starts[j] + base
+            at += outs[i].ids.size()
+            base += nbytes[i]
         return 0, ids, starts
 
     def pieces(self, str text):

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <queue>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 #ifdef __linux__
@@ -57,6 +58,27 @@ struct Tables {
   bool whole_piece_lookup = false;
   int rules = CL100K_HF;
 };
+
+// Equality of two short byte strings, inline: the hash and length already matched, so this is
+// nearly always a full compare, and a libc call per piece cost more than the compare itself.
+static inline bool same_bytes(const uint8_t* a, const uint8_t* b, uint32_t n) {
+  while (n >= 8) {
+    uint64_t x, y;
+    std::memcpy(&x, a, 8);
+    std::memcpy(&y, b, 8);
+    if (x != y) return false;
+    a += 8; b += 8; n -= 8;
+  }
+  if (n >= 4) {
+    uint32_t x, y;
+    std::memcpy(&x, a, 4);
+    std::memcpy(&y, b, 4);
+    if (x != y) return false;
+    a += 4; b += 4; n -= 4;
+  }
+  while (n--) if (*a++ != *b++) return false;
+  return true;
+}
 
 // -- big tables, on huge pages where the kernel offers them ------------------------------------
 // The hot per-token tables (short vocab, token records, piece cache) are read at random, a few
@@ -211,7 +233,7 @@ struct PieceCache {
     while (true) {
       const Slot& sl = slots[i];
       if (!sl.used) return nullptr;
-      if (sl.h == h && sl.blen == n && std::memcmp(sl.bytes, p, n) == 0) return &sl;
+      if (sl.h == h && sl.blen == n && same_bytes(sl.bytes, p, n)) return &sl;
       i = (i + 1) & (CAP - 1);
     }
   }
@@ -380,7 +402,7 @@ class Engine {
       while (true) {
         const VSlot& v = short_vocab[j];
         if (!v.used) return -1;
-        if (v.h == h && v.len == n && std::memcmp(v.bytes, p, n) == 0) return v.id;
+        if (v.h == h && v.len == n && same_bytes(v.bytes, p, n)) return v.id;
         j = (j + 1) & short_mask;
       }
     }
@@ -393,7 +415,7 @@ class Engine {
         uint32_t id = t.vocab_ids[i];
         if (id != EMPTY32) {
           uint32_t o = t.tok_off[id], e = t.tok_off[id + 1];
-          if (e - o == n && std::memcmp(t.tok_blob + o, p, n) == 0) return id;
+          if (e - o == n && same_bytes(t.tok_blob + o, p, n)) return id;
         }
       }
       i = (i + 1) & m;
@@ -796,6 +818,56 @@ class Engine {
       pos = l.b;
     }
     if (pos < n) segment(pos, n);
+    return OK;
+  }
+
+  // Chunks s[0, c0), s[c0, c1), ... of one text (cuts at standalone-stable boundaries, chosen in
+  // Python: `fullpath.chunk_cuts`), each encoded on its own thread (this one takes the first)
+  // with its own piece cache.  outs[i] holds chunk i's tokens, starts relative to the chunk;
+  // bytes[i] its UTF-8 length.  Returns the first non-OK status of a chunk, or OK.
+  template <class T>
+  int encode_chunks(const T* s, int64_t n, bool ascii, const std::vector<int64_t>& cuts,
+                    const std::vector<PieceCache*>& caches, bool want_starts, std::vector<Output>& outs,
+                    std::vector<int64_t>& bytes) const {
+    const size_t k = cuts.size() + 1;
+    outs.assign(k, Output());
+    bytes.assign(k, 0);
+    std::vector<int> status(k, OK);
+    std::vector<char> failed(k, 0);
+    auto work = [&](size_t i) {
+      const int64_t a = i ? cuts[i - 1] : 0, b = i + 1 < k ? cuts[i] : n;
+      const T* c = s + a;
+      bool chunk_ascii = ascii;
+      if (!chunk_ascii) {
+        chunk_ascii = true;
+        for (int64_t j = 0; j < b - a && chunk_ascii; ++j) chunk_ascii = uint32_t(c[j]) < 0x80;
+      }
+      outs[i].want_starts = want_starts;
+      try {
+        status[i] = encode(c, b - a, chunk_ascii, true, *caches[i], outs[i]);
+      } catch (...) {  // std::bad_alloc: reported, never thrown across the thread
+        failed[i] = 1;
+        return;
+      }
+      int64_t nb = b - a;
+      if (!chunk_ascii) {
+        nb = 0;
+        for (int64_t j = 0; j < b - a; ++j) {
+          const uint32_t x = uint32_t(c[j]);
+          nb += x < 0x80 ? 1 : x < 0x800 ? 2 : x < 0x10000 ? 3 : 4;
+        }
+      }
+      bytes[i] = nb;
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(k - 1);
+    for (size_t i = 1; i < k; ++i) threads.emplace_back(work, i);
+    work(0);
+    for (std::thread& th : threads) th.join();
+    for (size_t i = 0; i < k; ++i)
+      if (failed[i]) throw std::bad_alloc();
+    for (size_t i = 0; i < k; ++i)
+      if (status[i] != OK) return status[i];
     return OK;
   }
 

@@ -57,6 +57,8 @@ struct LaneResult {
 static inline bool decode_utf8(const uint8_t* b, int64_t n, std::vector<uint32_t>& cps, std::vector<int64_t>& at) {
   cps.clear();
   at.clear();
+  cps.reserve(size_t(n));
+  at.reserve(size_t(n));
   int64_t i = 0;
   while (i < n) {
     uint32_t c = b[i];
@@ -216,10 +218,11 @@ class Lane {
     if (!decode_utf8(win.data(), int64_t(win.size()), cps, at)) return res.status = LANE_BAD_UTF8;
     Output out;
     out.want_starts = true;
-    bool ascii = true;
-    for (uint32_t c : cps) if (c >= 0x80) { ascii = false; break; }
-    if (eng->encode<uint32_t>(cps.data(), int64_t(cps.size()), ascii, true, cache, out) != OK)
-      return res.status = LANE_NFC;
+    const bool ascii = cps.size() == win.size();  // one byte per character
+    // an ASCII window is its own UTF-8: the engine reads it in place
+    const int enc = ascii ? eng->encode<uint8_t>(win.data(), int64_t(win.size()), true, true, cache, out)
+                         : eng->encode<uint32_t>(cps.data(), int64_t(cps.size()), false, true, cache, out);
+    if (enc != OK) return res.status = LANE_NFC;
     const std::vector<uint32_t>& fresh = out.ids;
     const std::vector<int64_t>& fst = out.starts;  // window-local
     const int64_t nf = int64_t(fresh.size());
@@ -309,7 +312,7 @@ class Lane {
       const uint32_t len = rec.blen;
       if (w + len > int64_t(win.size())) return res.status = LANE_TILING;
       const uint8_t* bytes = len <= Engine::REC_INLINE ? rec.b : eng->t.tok_blob + rec.off;
-      if (std::memcmp(bytes, win.data() + w, len) != 0) return res.status = LANE_TILING;
+      if (!same_bytes(bytes, win.data() + w, len)) return res.status = LANE_TILING;
       w += len;
     }
     if (w != rq - p) return res.status = LANE_TILING;
