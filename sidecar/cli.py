@@ -39,13 +39,18 @@ def _group(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toktier serve", description="Run the TokTier tokenization sidecar.")
-    p.add_argument("--socket", dest="socket_path", help=f"Unix socket path (default {default_socket_path()})")
+    p.add_argument("--socket", dest="socket_path",
+                   help=f"Unix socket path (default: $TOKTIER_SOCKET, else {default_socket_path()}; its directory "
+                        "is created 0700 and must be private)")
     p.add_argument("--tokenizer", dest="tokenizers", action="append",
                    help=f"tokenizer to preload (name or tokenizer file); repeatable; the first is the default "
                         f"(default {DEFAULT_TOKENIZER})")
     p.add_argument("--config", help="TOML file with ServerConfig fields")
-    p.add_argument("--no-lazy-load", dest="lazy_load", action="store_false", default=None,
-                   help="serve only the preloaded tokenizers")
+    lazy = p.add_mutually_exclusive_group()
+    lazy.add_argument("--lazy-load", dest="lazy_load", action="store_true", default=None,
+                      help="let clients load other bundled tokenizers on first use (default: off)")
+    lazy.add_argument("--no-lazy-load", dest="lazy_load", action="store_false", default=None,
+                      help="serve only the preloaded tokenizers (the default)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--metrics-addr", help="metrics bind address (default 127.0.0.1)")
     p.add_argument("--allow-uid", dest="allowed_uids", type=int, action="append",
@@ -65,8 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inline-chars", type=int,
                    help="ops carrying at most this many code points run on the event loop (default 16384)")
     p.add_argument("--shm-prefix", help="shared-memory name prefix (default toktier)")
+    p.add_argument("--runtime-dir", help="private directory for the instance lock that lets a restart remove a "
+                                         "crashed run's segments (default: the socket's directory)")
+    p.add_argument("--handshake-timeout", type=float, help="seconds a connection has to send Hello (default 10)")
+    p.add_argument("--idle-timeout", type=float,
+                   help="close connections idle this many seconds, unless they hold bound sessions (default 600; 0 = never)")
+    p.add_argument("--max-buffered-bytes", type=_size,
+                   help="bytes of incomplete frames all connections may buffer together (default 256M)")
     p.add_argument("--verify-rate", type=float,
                    help="fraction of results the shadow verifier re-encodes in the background (default 0.01; 0 = off)")
+    p.add_argument("--verify-max-chars", type=int,
+                   help="the verifier skips sampled results longer than this many code points (default 262144)")
+    p.add_argument("--verify-chars-per-second", type=int,
+                   help="code points the verifier may re-encode per second (default 1048576; 0 = no limit)")
     p.add_argument("--verify-disable-on-mismatch", action="store_true", default=None,
                    help="on a confirmed mismatch, serve that tokenizer by full tokenization until SIGHUP")
     p.add_argument("--no-gpu", dest="gpu", action="store_false", default=None,

@@ -6,20 +6,18 @@ import os
 from dataclasses import dataclass, field
 
 from toktier.store import DEFAULT_MEMORY_BUDGET, DEFAULT_TTL
+from toktier_client.paths import default_socket_path as _client_default_socket_path
 from toktier_client.protocol import DEFAULT_MAX_FRAME, DEFAULT_MAX_SESSION_CHARS
 
 DEFAULT_TOKENIZER = "llama3"
 
 
 def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/toktier.sock`` when set, else ``/run/toktier/toktier.sock`` for root,
-    else ``/tmp/toktier-<uid>.sock``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "toktier.sock")
-    if os.getuid() == 0:
-        return "/run/toktier/toktier.sock"
-    return f"/tmp/toktier-{os.getuid()}.sock"
+    """The one default socket path (``toktier_client.paths``: ``$TOKTIER_SOCKET``, else
+    ``$XDG_RUNTIME_DIR/toktier/toktier.sock``, ``/run/toktier/toktier.sock`` for root,
+    ``/tmp/toktier-<uid>/toktier.sock``).  Computed only: the server creates and verifies
+    the directory when it binds."""
+    return _client_default_socket_path(ensure_dir=False)
 
 
 @dataclass(frozen=True)
@@ -29,12 +27,22 @@ class ServerConfig:
     socket_path: str = field(default_factory=default_socket_path)
     #: Tokenizers loaded at start (names or tokenizer file paths); the first is the default.
     tokenizers: tuple[str, ...] = (DEFAULT_TOKENIZER,)
-    #: Bundled tokenizers not preloaded may still be loaded on a client's first request.
-    lazy_load: bool = True
+    #: Bundled tokenizers not preloaded may be loaded on a client's first request.  Off by
+    #: default: a load costs seconds of CPU and up to a GB of memory, which any admitted
+    #: client could otherwise trigger (the loads run on their own worker thread either way).
+    lazy_load: bool = False
     max_connections: int = 256
     #: Unanswered requests per connection (pipelining depth) before ``overloaded``.
     max_inflight: int = 64
     max_frame: int = DEFAULT_MAX_FRAME
+    #: Bytes that incomplete frames of all connections may hold together (each connection
+    #: is capped by ``max_frame``); at least ``max_frame`` is always allowed.
+    max_buffered_bytes: int = 256 * 1024 * 1024
+    #: Seconds a new connection has to send Hello before it is closed (frees its slot).
+    handshake_timeout: float = 10.0
+    #: Seconds without a request or reply after which a connection is closed (0: never).
+    #: A connection holding sessions bound to it is never idle (they would end with it).
+    idle_timeout: float = 600.0
     max_session_chars: int = DEFAULT_MAX_SESSION_CHARS
     memory_budget: int = DEFAULT_MEMORY_BUDGET
     #: Most open sessions (LRU beyond it).  Each session keeps one mmap of its segment and
@@ -61,12 +69,21 @@ class ServerConfig:
     #: Stateless encode results a connection may hold without Release.
     max_handoffs: int = 64
     shm_prefix: str = "toktier"
+    #: Where the instance lock file lives (see ``toktier_sidecar.shm``: the startup sweep);
+    #: empty: the socket's directory.
+    runtime_dir: str = ""
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     #: Fraction of served results re-encoded by the shadow verifier (0 = off).  Sampling a
     #: session result materializes its text and copies its IDs (O(N), on the loop thread),
     #: so keep it small for long sessions.
     verify_rate: float = 0.01
+    #: The verifier's budget, so it cannot slow other clients down: sampled results longer
+    #: than ``verify_max_chars`` code points are skipped (never materialized), and at most
+    #: ``verify_chars_per_second`` code points are re-encoded per second (one second of
+    #: burst); the rest are dropped and counted by reason.
+    verify_max_chars: int = 256 * 1024
+    verify_chars_per_second: int = 1 << 20
     #: On a confirmed mismatch, send every session of that tokenizer down the full path
     #: until an operator re-enables it (SIGHUP re-enables all tokenizers).
     verify_disable_on_mismatch: bool = False

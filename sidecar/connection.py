@@ -14,13 +14,21 @@ Rules enforced here:
 * the first frame must be ``Hello`` with our protocol version (else a fatal
   ``version_mismatch``/``bad_request`` error);
 * a header claiming more than ``max_frame`` bytes is a fatal ``frame_too_large``
-  (nothing of the claimed body is buffered);
-* a body that is not a msgpack map is a fatal ``bad_frame``; a map that is
-  not a valid request (wrong fields/types, invalid UTF-8 inside a string)
-  fails only that request (``bad_request``/``invalid_text``, with the request's
-  id when it can be read) and the connection goes on;
+  (nothing of the claimed body is buffered): ``max_frame`` is the per-connection cap
+  on buffered frame bytes;
+* an incomplete frame reserves its announced length from the server-wide
+  :class:`BufferBudget` first; a frame announcing more than the budget has left is a
+  fatal ``overloaded`` (so N slow senders cannot make the server hold N x ``max_frame``);
+* a body that is not a msgpack map, or is nested too deeply to decode, is a fatal
+  ``bad_frame``; a map that is not a valid request (wrong fields/types, invalid
+  UTF-8 inside a string, a session id longer than ``MAX_SESSION_ID_BYTES``) fails
+  only that request (``bad_request``/``invalid_text``, with the request's id when it
+  can be read) and the connection goes on;
 * more than ``max_inflight`` unanswered requests: the excess ones get
   ``overloaded`` at once.
+
+Timeouts (no Hello within the handshake timeout, idleness) need a clock and live in
+the server; :attr:`ServerConnection.awaiting_hello` tells it which state applies.
 """
 
 from __future__ import annotations
@@ -38,21 +46,52 @@ class State(enum.Enum):
     CLOSING = "closing"
 
 
+class BufferBudget:
+    """Bytes that incomplete frames of all connections may hold together (one per server,
+    used from the event-loop thread only)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.limit:
+            return False
+        self.used += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
 class ServerConnection:
     """Protocol state for one client connection."""
 
-    def __init__(self, welcome: P.Welcome, *, max_frame: int, max_inflight: int) -> None:
+    def __init__(self, welcome: P.Welcome, *, max_frame: int, max_inflight: int,
+                 budget: BufferBudget | None = None) -> None:
         self.welcome = welcome
         self.max_inflight = max_inflight
         self.state = State.AWAIT_HELLO
         self.inflight = 0
         self._decoder = P.FrameDecoder(max_frame)
+        self._budget = budget if budget is not None else BufferBudget(max_frame)
+        self._reserved = 0  # bytes of the budget held for the incomplete frame
         self._out = bytearray()
         self._encoder = msgspec.msgpack.Encoder()
 
     @property
     def closing(self) -> bool:
         return self.state is State.CLOSING
+
+    @property
+    def awaiting_hello(self) -> bool:
+        return self.state is State.AWAIT_HELLO
+
+    def discard(self) -> None:
+        """The connection is gone: return its share of the buffer budget."""
+        self._budget.give(self._reserved)
+        self._reserved = 0
+        self.state = State.CLOSING
 
     def data_to_send(self) -> bytes:
         out = bytes(self._out)
@@ -68,6 +107,8 @@ class ServerConnection:
         except P.FrameTooLargeError as exc:
             self._fail(0, P.ErrorCode.FRAME_TOO_LARGE, str(exc), fatal=True)
             return []
+        if not self._reserve(self._decoder.pending):
+            return []
         admitted: list[P.Request] = []
         for body in bodies:
             msg = self._decode(body)
@@ -81,6 +122,8 @@ class ServerConnection:
                 self._fail(0, P.ErrorCode.BAD_REQUEST, "duplicate Hello", fatal=True)
             elif isinstance(msg, P.Release):
                 admitted.append(msg)
+            elif (problem := _field_problem(msg)) is not None:
+                self._fail(msg.id, P.ErrorCode.BAD_REQUEST, problem)
             elif self.inflight >= self.max_inflight:
                 self._fail(msg.id, P.ErrorCode.OVERLOADED,
                            f"more than {self.max_inflight} requests in flight on this connection")
@@ -93,14 +136,32 @@ class ServerConnection:
 
     def reply(self, msg: P.Reply) -> bytes:
         """Frame a reply to an admitted request (one that ``feed`` returned)."""
-        self.inflight -= 1
-        return P.encode_frame(msg, self._encoder)
+        frame = P.encode_frame(msg, self._encoder)
+        self.inflight -= 1  # only once the reply exists: a failed encode is answered by an error
+        return frame
 
     def error(self, request_id: int, code: P.ErrorCode, message: str, reason: str = "") -> bytes:
         """Frame a typed error reply to an admitted request."""
         return self.reply(P.Error(id=request_id, code=code, message=message, reason=reason))
 
     # ----------------------------------------------------------------- internal
+    def _reserve(self, pending: int) -> bool:
+        """Hold budget for the incomplete frame (``pending`` bytes announced); False (and a fatal
+        error) when the server-wide budget cannot cover it."""
+        if pending == self._reserved:
+            return True
+        self._budget.give(self._reserved)
+        self._reserved = 0
+        if self._budget.take(pending):
+            self._reserved = pending
+            return True
+        self._fail(0, P.ErrorCode.OVERLOADED,
+                   f"a frame of {pending} bytes does not fit in the sidecar's buffer budget "
+                   f"({self._budget.limit - self._budget.used} of {self._budget.limit} bytes free); retry later",
+                   fatal=True)
+        self._decoder = P.FrameDecoder(self._decoder.max_frame)  # drop what was buffered
+        return False
+
     def _decode(self, body: bytes) -> P.Request | None:
         try:
             return P.REQUEST_DECODER.decode(body)
@@ -111,6 +172,8 @@ class ServerConnection:
             else:
                 self._fail(rid, P.ErrorCode.BAD_REQUEST, f"invalid request: {exc}",
                            fatal=self.state is State.AWAIT_HELLO)
+        except RecursionError:  # msgspec recurses per nesting level: refuse, never crash
+            self._fail(0, P.ErrorCode.BAD_FRAME, "undecodable frame: msgpack nested too deeply", fatal=True)
         except msgspec.DecodeError as exc:
             rid = P.salvage_request_id(body)
             if rid is None or self.state is State.AWAIT_HELLO:
@@ -134,6 +197,23 @@ class ServerConnection:
         self._out += P.encode_frame(P.Error(id=rid, code=code, message=message, fatal=fatal), self._encoder)
         if fatal:
             self.state = State.CLOSING
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _field_problem(msg: P.Request) -> str | None:
+    """Why a decoded request's bounded fields are out of bounds, or None."""
+    session = getattr(msg, "session", None)
+    if session is not None and (len(session) > P.MAX_SESSION_ID_BYTES
+                                or _utf8_len(session) > P.MAX_SESSION_ID_BYTES):
+        return (f"session id of {_utf8_len(session)} bytes is longer than {P.MAX_SESSION_ID_BYTES} bytes "
+                f"(starts {session[:32]!r})")
+    op_key = getattr(msg, "op_key", "")
+    if op_key and _utf8_len(op_key) > P.MAX_OP_KEY_BYTES:
+        return f"op_key of {_utf8_len(op_key)} bytes is longer than {P.MAX_OP_KEY_BYTES} bytes"
+    return None
 
 
 def refusal(code: P.ErrorCode, message: str) -> bytes:

@@ -61,6 +61,14 @@ class ShuttingDown(SidecarError):
     code = ErrorCode.SHUTTING_DOWN
 
 
+class ResourceExhausted(SidecarError):
+    """The host could not give this request shared memory (``/dev/shm`` full: ENOSPC, or
+    ENOMEM).  Raised when a segment is created or grown, before any ID is written to it, so
+    the failure is this request's alone (no SIGBUS later)."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
 _CORE_CODES: dict[type[BaseException], ErrorCode] = {
     SessionMiss: ErrorCode.SESSION_MISS,
     UnknownTokenizer: ErrorCode.UNKNOWN_TOKENIZER,
@@ -85,6 +93,11 @@ def code_for(exc: BaseException) -> ErrorCode | None:
     return None
 
 
+#: Longest message an error frame carries: messages quote client input (ids, names), and an
+#: error reply must never cost more than the request that caused it.
+MAX_MESSAGE_CHARS = 1024
+
+
 def error_frame(request_id: int, exc: BaseException) -> Error:
     """The one ``Error`` frame for a failed request: its code, its message and its structured
     fields (``reason`` for a session miss).  A bug becomes ``internal`` with the exception's
@@ -93,4 +106,7 @@ def error_frame(request_id: int, exc: BaseException) -> Error:
     if code is None:
         return Error(id=request_id, code=ErrorCode.INTERNAL, message=f"internal error: {type(exc).__name__}")
     reason = exc.reason if isinstance(exc, SessionMiss) else ""
-    return Error(id=request_id, code=code, message=str(exc), reason=reason)
+    message = str(exc)
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return Error(id=request_id, code=code, message=message, reason=reason[:64])

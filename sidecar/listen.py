@@ -1,4 +1,4 @@
-"""The listening socket and peer credentials."""
+"""The listening socket, its private directory, and peer credentials."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import os
 import socket
 import stat
 import struct
+from typing import TYPE_CHECKING
+
+from toktier_client.paths import check_private_dir
+
+if TYPE_CHECKING:
+    from .config import ServerConfig
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 BACKLOG = 512
@@ -20,12 +26,42 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
         return (-1, -1, -1)
 
 
+def runtime_dir_for(config: "ServerConfig") -> str:
+    """The server's private runtime directory (instance lock files): ``runtime_dir``, else the
+    socket's directory; verified private (raises ``InsecureRuntimeDir``, a PermissionError)."""
+    directory = config.runtime_dir or os.path.dirname(os.path.abspath(config.socket_path))
+    check_private_dir(directory, allow_root_owner=True)
+    return directory
+
+
+def ensure_socket_dir(path: str, group: int | None) -> str:
+    """Create the socket's directory if missing (0700; 0710 with a group, whose members must
+    reach the socket), then verify it: a real directory owned by this uid (or root), that
+    group and others cannot write to, else ``InsecureRuntimeDir``.  An impostor could
+    otherwise swap the socket in a shared directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.lexists(directory):
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        try:
+            os.mkdir(directory, 0o710 if group is not None else 0o700)
+        except FileExistsError:
+            pass  # created meanwhile: verified below like any existing one
+        else:
+            if group is not None:
+                os.chown(directory, -1, group)
+                os.chmod(directory, 0o710)  # mkdir's mode is filtered by the umask
+    check_private_dir(directory, allow_root_owner=True)
+    return directory
+
+
 def bind_unix_socket(path: str, group: int | None) -> socket.socket:
-    """A listening Unix socket at ``path`` with mode 0600 (0660 and ``group`` when set).
+    """A listening Unix socket at ``path`` with mode 0600 (0660 and ``group`` when set), in a
+    private directory (:func:`ensure_socket_dir`).
 
     The umask is tightened around ``bind`` so the file never exists with wider
     permissions.  A stale socket file (nobody accepting) is replaced; a live one or
     a non-socket file is an error."""
+    ensure_socket_dir(path, group)
     if os.path.lexists(path):
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode):
@@ -39,7 +75,6 @@ def bind_unix_socket(path: str, group: int | None) -> socket.socket:
             raise FileExistsError(f"another server is accepting on {path}")
         finally:
             probe.close()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     mode = 0o660 if group is not None else 0o600
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o777 & ~mode)

@@ -17,7 +17,16 @@ moves bytes and decides where work runs, the same way for every request
   for a thread that a session start holds; the core's encodes release the GIL,
   so the loop keeps serving meanwhile.
 * Every admitted request gets exactly one reply frame; limits answer with typed
-  errors; a misbehaving peer gets an error frame and a lingering close.
+  errors; a misbehaving peer gets an error frame and a lingering close.  Whatever
+  escapes a handler (or the protocol layer) becomes a typed error frame, never a
+  dropped connection with a traceback.
+* Abuse is bounded: a connection that sends no Hello within ``handshake_timeout``
+  or stays idle past ``idle_timeout`` is closed (one reaper task checks every
+  peer), incomplete frames of all peers share one buffer budget
+  (:class:`~toktier_sidecar.connection.BufferBudget`), tokenizer loads run on a
+  thread of their own.
+* At start, before serving, the server takes its instance lock and sweeps the
+  segments of its own dead instances (:mod:`toktier_sidecar.shm`).
 
 Run it with ``uvloop.run(Sidecar(config).run())`` (see :mod:`toktier_sidecar.cli`).
 """
@@ -39,14 +48,14 @@ from toktier_client import protocol as P
 
 from . import sdnotify
 from .config import ServerConfig
-from .connection import ServerConnection, refusal
+from .connection import BufferBudget, ServerConnection, refusal
 from .errors import ShuttingDown, code_for, error_frame
 from .lanes import Lanes
-from .listen import BACKLOG, bind_unix_socket, peer_credentials
+from .listen import BACKLOG, bind_unix_socket, peer_credentials, runtime_dir_for
 from .metrics import Metrics
 from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, SessionKey, SessionService
 from .shadow import Shadow, ShadowConfig
-from .shm import ArenaPool, Segment
+from .shm import ArenaPool, InstanceLock, Segment, sweep_stale
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +71,14 @@ class _Peer(asyncio.Protocol):
         self.cid = cid
         self.transport: asyncio.Transport | None = None
         self.conn = ServerConnection(sidecar.welcome, max_frame=sidecar.config.max_frame,
-                                     max_inflight=sidecar.config.max_inflight)
+                                     max_inflight=sidecar.config.max_inflight, budget=sidecar.buffer_budget)
         self.namespace: object = None
         self.handoffs: dict[str, Segment] = {}  # stateless results not yet Released
+        self.pending_handoffs = 0  # encodes admitted, not answered yet
         self.bound: set[Hashable] = set()  # sessions that end with this connection
         self.alive = False
         self.half_closed = False
+        self.last_active = time.monotonic()  # last request or reply: the idle timeout's clock
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -104,7 +115,13 @@ class _Peer(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.alive:
             return
-        requests = self.conn.feed(data)
+        self.last_active = time.monotonic()
+        try:
+            requests = self.conn.feed(data)
+        except Exception:  # a bug in the protocol layer: answer it as one, keep the server
+            log.exception("protocol layer failed on connection %d", self.cid)
+            self._refuse(P.ErrorCode.INTERNAL, "internal error while decoding a frame")
+            return
         pending = self.conn.data_to_send()
         if pending:
             self.transport.write(pending)
@@ -114,6 +131,20 @@ class _Peer(asyncio.Protocol):
             self.sidecar.metrics.protocol_errors.labels("protocol").inc()
             self._linger_close()
 
+    def expire(self, now: float) -> None:
+        """Close the connection if it never said Hello in time, or sat idle too long."""
+        cfg = self.sidecar.config
+        if not self.alive:
+            return
+        if self.conn.awaiting_hello:
+            if now - self.last_active >= cfg.handshake_timeout:
+                self._refuse(P.ErrorCode.BAD_REQUEST, f"no Hello within {cfg.handshake_timeout:g} s")
+        elif (cfg.idle_timeout > 0 and now - self.last_active >= cfg.idle_timeout
+              and self.conn.inflight == 0 and not self.bound):
+            log.info("closing connection %d: idle for %.0f s", self.cid, now - self.last_active)
+            self.alive = False
+            self.transport.close()
+
     def eof_received(self) -> bool:
         """The peer sent all its requests (half-close): answer those in flight, then close."""
         self.half_closed = True
@@ -121,6 +152,7 @@ class _Peer(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
+        self.conn.discard()  # its incomplete frame's share of the buffer budget
         self.sidecar.peer_gone(self)
 
     def pause_writing(self) -> None:  # the peer is not reading its replies: stop reading requests
@@ -131,6 +163,7 @@ class _Peer(asyncio.Protocol):
             self.transport.resume_reading()
 
     def send(self, frame: bytes) -> None:
+        self.last_active = time.monotonic()
         if self.alive and not self.transport.is_closing():
             self.transport.write(frame)
             if self.half_closed and self.conn.inflight == 0:
@@ -145,8 +178,11 @@ class Sidecar:
         self.config = config
         self.pool = ArenaPool(config.shm_prefix, mode=0o640 if config.group is not None else 0o600,
                               gid=config.group)
+        self.buffer_budget = BufferBudget(max(config.max_buffered_bytes, config.max_frame))
+        self._instance_lock: InstanceLock | None = None
         self.service = SessionService(config, registry or toktier.Registry(), self.pool)
-        self.metrics = Metrics(lambda: self.service.snapshot(len(self.peers)))
+        self.metrics = Metrics(lambda: self.service.snapshot(len(self.peers)), self.service.registry,
+                               config.verify_rate)
         self.verifier: Shadow | None = None
         if config.verify_rate > 0:
             # Dispatch samples (`_succeed`: only sampled results build their O(N) sample); the
@@ -154,11 +190,14 @@ class Sidecar:
             # tokenizer loads and never rebuilt (ShadowConfig's default reference policy).
             self.verifier = Shadow(self.service.registry.get,
                                    ShadowConfig(rate=config.verify_rate,
-                                                disable_on_mismatch=config.verify_disable_on_mismatch),
+                                                disable_on_mismatch=config.verify_disable_on_mismatch,
+                                                max_chars=config.verify_max_chars,
+                                                chars_per_second=config.verify_chars_per_second),
                                    metrics=self.metrics.registry)
             self.service.fast_path_disabled = self.verifier.is_disabled
             self.service.on_tokenizer_loaded = self.verifier.prepare
         self.service.server_counts = self._counts
+        self.service.on_op = self.metrics.record_op
         self.install_signals = install_signals
         self.lanes = Lanes()
         self.peers: dict[int, _Peer] = {}
@@ -168,6 +207,7 @@ class Sidecar:
         self._cids = itertools.count(1)
         self._bulk: ThreadPoolExecutor | None = None  # whole-context work
         self._repair: ThreadPoolExecutor | None = None  # changes to existing sessions
+        self._loader: ThreadPoolExecutor | None = None  # tokenizer loads: never hold a bulk worker
         self._pools: dict[Pool, ThreadPoolExecutor] = {}
         self._server: asyncio.AbstractServer | None = None
         self._owns_socket_file = False
@@ -198,8 +238,9 @@ class Sidecar:
         cfg = self.config
         self._bulk = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-bulk")
         self._repair = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-repair")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="toktier-load")
         self._pools = {"bulk": self._bulk, "repair": self._repair}
-        await loop.run_in_executor(self._bulk, self.service.preload)
+        await loop.run_in_executor(self._loader, self.service.preload)
         self.welcome = P.Welcome(
             version=P.PROTOCOL_VERSION, server=f"toktier-sidecar/{toktier.__version__}", max_frame=cfg.max_frame,
             max_session_chars=cfg.max_session_chars, max_inflight=cfg.max_inflight,
@@ -215,6 +256,7 @@ class Sidecar:
         else:
             sock = bind_unix_socket(cfg.socket_path, cfg.group)
             self._owns_socket_file = True
+        self._claim_segments()  # the socket's directory exists now; no segment was made yet
         sock.setblocking(False)
         self._server = await loop.create_unix_server(lambda: _Peer(self, next(self._cids)), sock=sock,
                                                      backlog=BACKLOG)
@@ -225,6 +267,7 @@ class Sidecar:
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(signal.SIGHUP, self.reenable_fast_paths)
         self._spawn(self._sweeper())
+        self._spawn(self._reaper())
         sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket_path}")
         log.info("serving on %s (default tokenizer %s)", cfg.socket_path, self.service.default_tokenizer)
         self._ready.set()
@@ -248,7 +291,7 @@ class Sidecar:
                 peer.transport.close()
             for task in list(self._background):
                 task.cancel()
-            for pool in (self._bulk, self._repair):
+            for pool in (self._bulk, self._repair, self._loader):
                 if pool is not None:
                     pool.shutdown(wait=True, cancel_futures=True)
             if self.verifier is not None:
@@ -258,10 +301,45 @@ class Sidecar:
             for peer in list(self.peers.values()):
                 self._drop_handoffs(peer)
             self.service.shutdown()
+            if self._instance_lock is not None:  # after the segments are gone: nothing left to sweep
+                self._instance_lock.release()
             if self._owns_socket_file:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.config.socket_path)
         log.info("stopped")
+
+    def _claim_segments(self) -> None:
+        """Take this instance's lock, then remove the segments of this server's dead instances
+        (crashes leave them; rules in :mod:`toktier_sidecar.shm`).  Without a usable private
+        runtime dir the server still serves, but cannot sweep (logged)."""
+        cfg = self.config
+        try:
+            directory = runtime_dir_for(cfg)
+            self._instance_lock = InstanceLock(directory, self.pool.prefix, self.pool.instance).acquire()
+            report = sweep_stale(self.pool.prefix, directory, own_instance=self.pool.instance)
+        except OSError as exc:
+            log.warning("no shared-memory sweep (segments of a crashed run stay in /dev/shm): %s", exc)
+            return
+        if report.removed or report.lock_files:
+            log.warning("removed %d stale shared-memory segments (%d bytes) of %d crashed instance(s)",
+                        report.removed, report.removed_bytes, report.lock_files)
+        if report.unproven:
+            log.info("left %d segments with prefix %r alone: no lock file in %s proves them ours",
+                     report.unproven, self.pool.prefix, directory)
+
+    async def _reaper(self) -> None:
+        """Close connections past the handshake or idle timeout."""
+        cfg = self.config
+        timeouts = [t for t in (cfg.handshake_timeout, cfg.idle_timeout) if t > 0]
+        tick = min(1.0, max(0.05, min(timeouts) / 4)) if timeouts else 1.0
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for peer in list(self.peers.values()):
+                try:
+                    peer.expire(now)
+                except Exception:  # one broken transport must not stop the reaper
+                    log.exception("closing connection %d failed", peer.cid)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -299,7 +377,11 @@ class Sidecar:
         """Route one admitted request (called from ``data_received``, in arrival order): run it
         right here when it is ready and small, else in its session's lane or its own task."""
         handler = HANDLERS[type(req)]
-        sid = handler.lane(req)
+        try:
+            sid = handler.lane(req)
+        except Exception as exc:
+            self._fail(peer, req, handler, exc, time.perf_counter())
+            return
         key = None if sid is None else SessionKey(peer.namespace, sid)
         if self.stopping or ((key is None or self.lanes.idle(key)) and self._inline_ready(handler, req)):
             _run_now(self._serve(peer, key, req, handler))  # when stopping: refused at once
@@ -358,15 +440,24 @@ class Sidecar:
         except Exception as exc:
             self._fail(peer, req, handler, exc, t0)
         else:
-            self._succeed(peer, handler, answer, t0)
+            self._succeed(peer, req, handler, answer, t0)
 
-    def _succeed(self, peer: _Peer, handler: Handler[Any], answer: Answer, t0: float) -> None:
+    def _succeed(self, peer: _Peer, req: P.Request, handler: Handler[Any], answer: Answer, t0: float) -> None:
         if answer.reply is None:
             return
-        peer.send(peer.conn.reply(answer.reply))
-        self.metrics.observe(handler.tag, "ok", time.perf_counter() - t0, answer.path)
+        try:
+            frame = peer.conn.reply(answer.reply)
+        except Exception as exc:  # a reply that cannot be encoded: still exactly one typed answer
+            self._fail(peer, req, handler, exc, t0)
+            return
+        peer.send(frame)
+        self.metrics.observe(handler.tag, "ok", time.perf_counter() - t0, answer.path,
+                             getattr(answer.reply, "tokenizer", ""))
         if self.verifier is not None and answer.sample is not None and self.verifier.sampled():
-            self.verifier.offer(answer.sample)  # builds the sample only if the queue has room
+            try:  # builds the sample only if the queue has room and the budget allows its size
+                self.verifier.offer(answer.sample, answer.sample_chars)
+            except Exception:  # the reply is sent: a verifier failure must not become a second answer
+                log.exception("shadow verifier offer failed")
 
     def reenable_fast_paths(self) -> None:
         """Operator action (SIGHUP): re-enable every tokenizer the verifier disabled."""
@@ -383,7 +474,8 @@ class Sidecar:
             return  # nobody waits for an answer
         frame = error_frame(getattr(req, "id", 0), exc)
         peer.send(peer.conn.reply(frame))
-        self.metrics.observe(handler.tag, frame.code.value, time.perf_counter() - t0)
+        self.metrics.observe(handler.tag, frame.code.value, time.perf_counter() - t0, None,
+                             getattr(req, "tokenizer", ""))
 
     async def _tokenizer(self, name: str, specials: P.Specials) -> toktier.FrozenTokenizer:
         """A served tokenizer, loading a bundled one in a worker on first use (loads deduplicated)."""
@@ -395,7 +487,7 @@ class Sidecar:
         fut = self._loads.get(k)
         if fut is None:
             loop = asyncio.get_running_loop()
-            fut = self._loads[k] = loop.run_in_executor(self._bulk, self.service.load_tokenizer, name, specials)
+            fut = self._loads[k] = loop.run_in_executor(self._loader, self.service.load_tokenizer, name, specials)
             fut.add_done_callback(lambda _f: self._loads.pop(k, None))
         return await asyncio.shield(fut)
 

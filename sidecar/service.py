@@ -49,7 +49,7 @@ from toktier_client import protocol as P
 from toktier_client.shm import HEADER_BYTES, RETIRED_SEQ
 
 from .config import ServerConfig
-from .errors import BadRequest, Overloaded, SessionConflict, TokenizerMismatch, TooLarge, code_for
+from .errors import BadRequest, Overloaded, ResourceExhausted, SessionConflict, TokenizerMismatch, TooLarge, code_for
 from .shm import ArenaPool, Segment, SessionArena
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 SPECIALS: tuple[P.Specials, ...] = get_args(P.Specials)
 #: Largest repair window a client may ask for (bytes); larger is just a full encode.
 MAX_WINDOW = 1 << 20
+#: What a session costs the memory budget besides its IDs and text: its slot, store and lane
+#: entries (measured at ~0.5 KB) plus its id twice (store key, then tombstone), so many
+#: sessions with long ids are bounded like any other memory.
+SESSION_OVERHEAD_BYTES = 512
 
 #: The two thread pools (see :mod:`toktier_sidecar.server`).
 Pool = Literal["bulk", "repair"]
@@ -79,6 +83,9 @@ class Slot:
     seq: int = 0
     bound_to: int | None = None  # connection id when bind_to_connection
     published: Segment | None = None  # the segment clients were last told about
+    overhead: int = 0  # bytes charged to the budget besides the session's own (SESSION_OVERHEAD_BYTES)
+    last_op_key: str = ""  # op_key of the op that produced the current state ("" for none)
+    last_out: "Outcome | None" = None  # that op's outcome: a re-sent op with the same key gets it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +119,7 @@ class Answer:
     reply: P.Reply | None = None
     path: str | None = None
     sample: Callable[[], Sample | None] | None = None
+    sample_chars: int | None = None  # the sample's size in code points (the verifier's budget)
 
 
 def _nothing(_exc: BaseException) -> None:
@@ -145,6 +153,7 @@ class Caller(Protocol):
     cid: int
     alive: bool
     handoffs: dict[str, Segment]  # stateless results not yet Released
+    pending_handoffs: int  # stateless encodes admitted and not answered yet (count toward the limit)
     bound: set[Hashable]  # sessions that end with this connection
 
 
@@ -241,10 +250,13 @@ class SessionService:
         self.on_tokenizer_loaded: Callable[[toktier.FrozenTokenizer], None] = lambda tok: None
         # Set by the server: what only it knows, for Stats replies.
         self.server_counts: Callable[[], ServerCounts] = ServerCounts
+        # Set by the server: Metrics.record_op, called on the op's thread after each applied session op.
+        self.on_op: Callable[..., None] = lambda *args: None
         self._warned_unspliceable: set[str] = set()  # hashes already warned about (loads run on workers)
         self._warn_lock = threading.Lock()
         self.started = time.monotonic()
         self.default_tokenizer = ""
+        self.configured: set[str] = set()  # names preloaded from the config: their variants may load
 
     # ------------------------------------------------------------- tokenizers
     def preload(self) -> None:
@@ -252,6 +264,7 @@ class SessionService:
         for i, name in enumerate(self.config.tokenizers):
             tok = self.registry.load(name)
             self._loaded(tok)
+            self.configured.update((name, tok.name))
             if i == 0:
                 self.default_tokenizer = tok.name
             log.info("tokenizer %s loaded (hash %s, family %s)", tok.name, tok.hash[:12], tok.family)
@@ -265,9 +278,11 @@ class SessionService:
         try:
             return self.registry.get(name, specials)
         except toktier.UnknownTokenizer:
-            if self.config.lazy_load and name in self.bundled:
+            # Loads cost seconds and up to a GB: only a configured tokenizer's other specials
+            # variant, or any bundled one when lazy loading is enabled.
+            if name in self.bundled and (self.config.lazy_load or name in self.configured):
                 return None
-            served = sorted(set(self.registry.names()) | (self.bundled if self.config.lazy_load else set()))
+            served = sorted(self.configured | (self.bundled if self.config.lazy_load else set()))
             raise toktier.UnknownTokenizer(
                 f"tokenizer {name!r} is not served; served: {', '.join(served)}"
             ) from None
@@ -293,25 +308,40 @@ class SessionService:
                     "text (%s)", tok.name, tok.hash[:12], tok.family_reason)
 
     # ---------------------------------------------------------------- sessions
-    def planned(self, key: SessionKey, slot: Slot, work: Callable[[], Outcome], rid: int) -> Plan:
+    def planned(self, key: SessionKey, slot: Slot, work: Callable[[], Outcome], rid: int, op_key: str = "") -> Plan:
         """The plan of an op on the pinned ``slot``: ``done`` unpins and answers ``Ids``;
-        ``failed`` unpins, and ends the session after an unexpected error (it may be half-updated)."""
+        ``failed`` unpins, and ends the session after an unexpected error (it may be half-updated)
+        or when its segment could not grow (no shared memory: it cannot take the op)."""
 
         def done(out: Outcome) -> Answer:
             self.finish(key, slot)
+            slot.last_op_key, slot.last_out = op_key, out
             return self.answer(key, rid, out)
 
         def failed(exc: BaseException) -> None:
-            if code_for(exc) is None:  # unexpected: the session may be half-updated; end it
+            if code_for(exc) is None or isinstance(exc, ResourceExhausted):
                 self.store.unpin(key)
-                self.close(key)
+                self.close(key)  # unlinks its segment: the memory goes back to the others
             self.finish(key, slot)
 
         return Plan(work=work, done=done, failed=failed)
 
     def answer(self, key: SessionKey, rid: int, out: Outcome) -> Answer:
         """The ``Ids`` answer of a session op; the verifier may sample the session's state."""
-        return Answer(ids_reply(rid, out), path=out.path, sample=lambda: self.sample(key))
+        slot = self.store.peek(key)
+        chars = slot.session.num_chars if slot is not None else None
+        return Answer(ids_reply(rid, out), path=out.path, sample=lambda: self.sample(key), sample_chars=chars)
+
+    def replayed(self, key: SessionKey, req: P.Open | P.Append | P.Edit | P.Sync) -> Plan | None:
+        """The answer to a re-sent op whose first send was applied (the session's latest op carried
+        the same ``op_key``): that op's result again, instead of a conflict.  None otherwise."""
+        if not req.op_key:
+            return None
+        slot = self.store.peek(key)
+        if slot is None or slot.last_out is None or slot.last_op_key != req.op_key:
+            return None
+        self.store.get(key)  # touch
+        return Plan.answer(ids_reply(req.id, slot.last_out))
 
     def sample(self, key: SessionKey) -> Sample | None:
         """The session's current text and IDs, for the shadow verifier (O(N): sampled results only)."""
@@ -342,7 +372,12 @@ class SessionService:
         """Any thread (the lane guarantees exclusivity): apply the op, publish the segment."""
         s = slot.session
         s.fast_path = not self.fast_path_disabled(slot.tokenizer.hash)
-        return self._publish(slot, apply(s))
+        retokenized = s.stats.tokens_retokenized
+        r = apply(s)
+        out = self._publish(slot, r)
+        self.on_op(slot.tokenizer.name, r.path.value, len(r.ids), s.stats.tokens_retokenized - retokenized,
+                   s.num_bytes, r.widenings, r.reason)
+        return out
 
     def begin_open(self, key: SessionKey, req: P.Open, tok: toktier.FrozenTokenizer) -> Slot | None:
         """Loop thread: the existing slot to sync (pinned), or None to create one."""
@@ -353,6 +388,10 @@ class SessionService:
         slot = self.store.peek(key)
         if slot is None:
             return None
+        if req.create_only:  # a recovery re-create: never sync over what another writer rebuilt
+            raise SessionConflict(
+                f"session {req.session!r} already exists (another writer re-created it after it was lost); "
+                "not overwriting it: open it again explicitly to take it over, or close it first")
         if slot.tokenizer.hash != tok.hash:
             raise TokenizerMismatch(
                 f"session {req.session!r} is open with tokenizer {slot.tokenizer.name} ({slot.tokenizer.hash[:12]}); "
@@ -377,6 +416,7 @@ class SessionService:
             seg = self._ids_segment(slot, session.ids, 0)
             seg.publish(slot.seq, session.num_tokens)
             slot.published = seg
+            self.on_op(tok.name, path, session.num_tokens, session.num_tokens, session.num_bytes)
             return slot, Outcome(seg, session.num_tokens, slot.seq, first_changed, path, 0, tok.hash)
         except BaseException:
             arena.release()
@@ -384,7 +424,8 @@ class SessionService:
 
     def add(self, key: SessionKey, slot: Slot) -> None:
         """Loop thread: register a created session (may evict others)."""
-        self.store.add(key, slot, slot.session.nbytes)
+        slot.overhead = SESSION_OVERHEAD_BYTES + 2 * len(key.session.encode("utf-8", "surrogatepass"))
+        self.store.add(key, slot, slot.session.nbytes + slot.overhead)
 
     def bind(self, key: SessionKey, caller: Caller) -> None:
         """Loop thread: the session ends when ``caller``'s connection does."""
@@ -397,7 +438,7 @@ class SessionService:
         """Loop thread: unpin and account the session's new size."""
         if self.store.peek(key) is slot:
             self.store.unpin(key)
-            self.store.resize(key, slot.session.nbytes)
+            self.store.resize(key, slot.session.nbytes + slot.overhead)
 
     def close(self, key: Hashable) -> bool:
         return self.store.close(key)
@@ -512,23 +553,32 @@ class OpenHandler(_SessionOp[P.Open]):
         return len(req.text)
 
     def plan(self, svc: SessionService, call: Call, req: P.Open) -> Plan:
-        key, tok = call.key, call.tok
+        key, tok, caller = call.key, call.tok, call.caller
         assert key is not None and tok is not None
+        replay = svc.replayed(key, req)
+        if replay is not None:
+            return replay
+        if req.bind_to_connection and not caller.alive:
+            return Plan.answer(None)  # its connection already ended: the session would end at once
         slot = svc.begin_open(key, req, tok)
         if slot is None:
             def created(res: tuple[Slot, Outcome]) -> Answer:
                 new_slot, out = res
+                new_slot.last_op_key, new_slot.last_out = req.op_key, out
                 svc.add(key, new_slot)
                 return svc.answer(key, req.id, out)
             plan = Plan(work=lambda: svc.run_create(tok, req), done=created)
         else:
-            plan = svc.planned(key, slot, lambda: svc.run_op(slot, lambda s: s.sync(req.text)), req.id)
+            plan = svc.planned(key, slot, lambda: svc.run_op(slot, lambda s: s.sync(req.text)), req.id, req.op_key)
         if not req.bind_to_connection:
             return plan
 
         def bound(res: object) -> Answer:
             answer = plan.done(res)
-            svc.bind(key, call.caller)
+            if not caller.alive:  # the connection ended while the Open ran: peer_gone missed it
+                svc.close(key)
+                return Answer()
+            svc.bind(key, caller)
             return answer
         return dataclasses.replace(plan, done=bound)
 
@@ -552,8 +602,11 @@ class _Change(_SessionOp[C]):
     def plan(self, svc: SessionService, call: Call, req: C) -> Plan:
         key = call.key
         assert key is not None
+        replay = svc.replayed(key, req)
+        if replay is not None:
+            return replay
         slot = svc.begin_op(key, req, lambda s: self.new_chars(s, req))
-        return svc.planned(key, slot, lambda: svc.run_op(slot, lambda s: self.apply(s, req)), req.id)
+        return svc.planned(key, slot, lambda: svc.run_op(slot, lambda s: self.apply(s, req)), req.id, req.op_key)
 
 
 @handles(P.Append)
@@ -611,11 +664,14 @@ class EncodeHandler(Handler[P.Encode]):
         tok, caller = call.tok, call.caller
         assert tok is not None
         limit = svc.config.max_handoffs
-        if len(caller.handoffs) >= limit:
-            raise Overloaded(f"{len(caller.handoffs)} encode results not released (limit {limit}); "
+        held = len(caller.handoffs) + caller.pending_handoffs  # encodes in flight will hold one each
+        if held >= limit:
+            raise Overloaded(f"{held} encode results not released or still being encoded (limit {limit}); "
                              "send Release after mapping")
+        caller.pending_handoffs += 1
 
         def done(seg: Segment) -> Answer:
+            caller.pending_handoffs -= 1
             if not caller.alive:  # the caller left meanwhile: nobody will map or release it
                 seg.unlink()
                 return Answer()
@@ -623,9 +679,13 @@ class EncodeHandler(Handler[P.Encode]):
             count = int(seg.header["count"][0])
             reply = P.Ids(id=req.id, segment=seg.name, offset=HEADER_BYTES, count=count, seq=0,
                           first_changed=0, path="full", tokenizer=tok.hash, handoff=True)
-            return Answer(reply, sample=lambda: Sample(tok.hash, req.text, seg.ids[:count], {"op": "encode"}))
+            return Answer(reply, sample=lambda: Sample(tok.hash, req.text, seg.ids[:count], {"op": "encode"}),
+                          sample_chars=len(req.text))
 
-        return Plan(work=lambda: svc.run_encode(tok, req.text), done=done)
+        def failed(_exc: BaseException) -> None:
+            caller.pending_handoffs -= 1
+
+        return Plan(work=lambda: svc.run_encode(tok, req.text), done=done, failed=failed)
 
 
 @handles(P.Release)

@@ -9,6 +9,13 @@ runs it in the background for the server (DESIGN §5):
 * **`offer` never blocks:** when the queue is full the sample is dropped and
   counted before it is built (``sample()`` is called only when there is room), and
   its IDs are copied (a served array may be a view that the next op overwrites).
+* **A budget, so verification cannot slow other clients down:** a sample longer
+  than ``max_chars`` code points is skipped (before it is built, when the caller
+  says its size), and at most ``chars_per_second`` code points are checked per
+  second (a token bucket with one second of burst).  Re-encoding a 12M-character
+  session holds a core (and the GIL) for seconds; with the budget the worker's
+  share of the CPU is bounded.  Every skipped sample is counted as dropped with
+  its reason: ``queue_full``, ``oversized`` or ``budget``.
 * **One worker thread** drains the queue in batches (up to ``batch_size`` items or
   ``batch_window`` seconds of gathering) and calls the core per tokenizer.
 * A mismatch is logged with its reproducer (`MismatchReport.to_json`), counted,
@@ -74,6 +81,10 @@ class ShadowConfig:
     disable_on_mismatch: bool = False
     #: Most recent reports kept in `Shadow.reports`.
     max_reports: int = 100
+    #: Samples longer than this many code points are not checked (0: no limit).
+    max_chars: int = 256 * 1024
+    #: Code points checked per second at most, one second of burst (0: no limit).
+    chars_per_second: int = 1 << 20
     #: The core's reference policy.  The server's default: private cache-free references
     #: built when a tokenizer loads and never rebuilt (a build holds the GIL for up to
     #: ~0.3 s at a time, which stalled every in-flight append when it happened mid-traffic).
@@ -86,6 +97,8 @@ class ShadowConfig:
             raise ValueError("queue_size, batch_size and max_reports must be >= 1")
         if self.batch_window < 0:
             raise ValueError(f"batch_window must be >= 0, not {self.batch_window}")
+        if self.max_chars < 0 or self.chars_per_second < 0:
+            raise ValueError("max_chars and chars_per_second must be >= 0 (0: no limit)")
 
 
 @dataclass(frozen=True)
@@ -94,13 +107,14 @@ class ShadowStats:
 
     offered: int  # results offered (the sampler chose them)
     queued: int  # put on the queue
-    dropped: int  # offered while the queue was full
+    dropped: int  # offered but not checked: queue full, oversized or over the budget
     checked: int  # compared with the reference
     mismatches: int
     errors: int  # unknown tokenizer or reference failure (not compared)
     rate: float
     queue_depth: int
     disabled: tuple[str, ...]  # tokenizer hashes whose fast path is disabled
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)  # queue_full / oversized / budget
 
 
 class _Item:
@@ -139,6 +153,9 @@ class Shadow:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._counts = dict(offered=0, queued=0, dropped=0, checked=0, mismatches=0, errors=0)
+        self._dropped_by: dict[str, int] = {}
+        self._budget = float(config.chars_per_second)  # token bucket, refilled in _affordable
+        self._budget_at = time.monotonic()
         self._done = 0  # items taken off the queue and finished (checked or errored)
         self._disabled: dict[str, MismatchReport] = {}
         self.reports: deque[MismatchReport] = deque(maxlen=config.max_reports)
@@ -155,42 +172,72 @@ class Shadow:
         """Draw one sample decision at `rate`: the only place results are sampled."""
         return self._rng.random() < self._rate
 
-    def offer(self, sample: Offer) -> bool:
+    def offer(self, sample: Offer, chars: int | None = None) -> bool:
         """Queue a sampled result for checking; True when it was queued.  Never blocks.
 
         `sample` is a ``Sample`` or a zero-argument callable returning one (or None:
         nothing to check, e.g. the session ended).  The callable runs on the caller's
-        thread and only when the queue has room, so a dropped sample never pays its
-        O(N) text and ID copy.
+        thread and only when the queue has room and `chars` (the sample's size in code
+        points, when the caller knows it) is within the budget, so a dropped sample
+        never pays its O(N) text and ID copy.
         """
         with self._lock:
             if self._closed:
                 return False
             self._counts["offered"] += 1
+        limit = self.config.max_chars
+        if chars is not None and limit and chars > limit:
+            self._drop("oversized")
+            return False
         if self._queue.full():  # cheap early drop: skip materializing text and IDs
-            self._drop()
+            self._drop("queue_full")
+            return False
+        if chars is not None and not self._affordable(chars):
+            self._drop("budget")
             return False
         s = sample() if callable(sample) else sample
         if s is None:
             return False
+        if chars is None:  # size known only now
+            if limit and len(s.text) > limit:
+                self._drop("oversized")
+                return False
+            if not self._affordable(len(s.text)):
+                self._drop("budget")
+                return False
         served = Served(s.text, np.array(s.ids, dtype=np.uint32, copy=True), dict(s.context or {}))
         with self._lock:
             self._counts["queued"] += 1  # before the put: drain() never sees a finished item uncounted
         try:
             self._queue.put_nowait(_Item(s.tokenizer_hash, served))
         except queue.Full:
-            self._drop(queued=True)
+            self._drop("queue_full", queued=True)
             return False
         return True
 
-    def _drop(self, queued: bool = False) -> None:
+    def _affordable(self, chars: int) -> bool:
+        """Take ``chars`` from the per-second budget (token bucket, one second of burst)."""
+        rate = self.config.chars_per_second
+        if not rate:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            self._budget = min(float(rate), self._budget + (now - self._budget_at) * rate)
+            self._budget_at = now
+            if chars > self._budget:
+                return False
+            self._budget -= chars
+            return True
+
+    def _drop(self, reason: str, queued: bool = False) -> None:
         with self._idle:
             self._counts["dropped"] += 1
+            self._dropped_by[reason] = self._dropped_by.get(reason, 0) + 1
             if queued:
                 self._counts["queued"] -= 1
                 self._idle.notify_all()
         if self._metrics:
-            self._metrics.dropped.inc()
+            self._metrics.dropped.labels(reason=reason).inc()
 
     def is_disabled(self, tokenizer_hash: str) -> bool:
         """Whether a mismatch disabled this tokenizer's fast path."""
@@ -228,7 +275,9 @@ class Shadow:
         with self._lock:
             c = dict(self._counts)
             disabled = tuple(sorted(self._disabled))
-        return ShadowStats(**c, rate=self._rate, queue_depth=self._queue.qsize(), disabled=disabled)
+            by_reason = dict(self._dropped_by)
+        return ShadowStats(**c, rate=self._rate, queue_depth=self._queue.qsize(), disabled=disabled,
+                           dropped_by_reason=by_reason)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued sample is finished; False on timeout (tests, shutdown)."""
@@ -355,7 +404,9 @@ class _Metrics:
         self.checked = Counter(f"{p}_checked", "Sampled results re-encoded by the reference", ["tokenizer"], **kw)
         self.mismatches = Counter(f"{p}_mismatches", "Sampled results that differed from the reference",
                                   ["tokenizer"], **kw)
-        self.dropped = Counter(f"{p}_dropped", "Samples dropped because the verifier queue was full", **kw)
+        self.dropped = Counter(f"{p}_dropped", "Sampled results not checked, by reason: queue_full, oversized "
+                               "(longer than the verifier's max chars) or budget (over its chars per second)",
+                               ["reason"], **kw)
         self.errors = Counter(f"{p}_errors", "Samples that could not be checked", **kw)
         self.rate = Gauge(f"{p}_sample_rate", "Fraction of served results sampled for verification", **kw)
         self.queue_depth = Gauge(f"{p}_queue_depth", "Samples waiting for the verifier", **kw)

@@ -2,7 +2,7 @@
 
 Layout of every segment (defined once, in ``toktier_client.shm``)::
 
-    /dev/shm/<prefix>-<22 random url-safe chars>        mode 0600 (0640 with a group)
+    /dev/shm/<prefix>-<instance>-<22 random url-safe chars>   mode 0600 (0640 with a group)
     +-----------------------------------------------+-------------------------------+
     | header, 64 bytes                              | ids: uint32[capacity]         |
     | magic "TKTS" | layout 1 | capacity | seq | count | ids[0:count] = session's IDs |
@@ -31,6 +31,36 @@ Ownership and lifetime
 A view a client holds of a session segment is valid until the next op on that
 session: the next op rewrites ``ids[first_changed:]`` in place.
 
+Allocation that cannot SIGBUS
+-----------------------------
+``ftruncate`` alone only sizes a tmpfs file; its pages are allocated on first
+write, and a write into a full ``/dev/shm`` is a SIGBUS that kills the whole
+sidecar.  Every segment's pages are therefore allocated when it is created or
+grown (``posix_fallocate``), before any ID is written: a full ``/dev/shm``
+(ENOSPC, or ENOMEM) is a :class:`~toktier_sidecar.errors.ResourceExhausted`
+error for that one request, the new name is unlinked, and every other session
+keeps working.
+
+Crash cleanup: the startup sweep
+--------------------------------
+Names are ``<prefix>-<instance>-<random>``: ``instance`` is 12 hex characters
+drawn when the server starts.  While it runs, the server holds an exclusive
+``flock`` on ``<runtime dir>/<prefix>-<instance>.lock`` (:class:`InstanceLock`;
+the runtime dir is the socket's private directory unless configured).  A crash
+(SIGKILL, OOM kill, SIGBUS) releases the lock but leaves the segments.  At start,
+:func:`sweep_stale` removes a segment only when all of this proves it is a dead
+instance's own:
+
+* its name has this server's prefix followed by a well-formed instance tag;
+* it is owned by this server's uid (another uid's segments are never touched);
+* the instance's lock file exists in this server's runtime dir, is owned by
+  this uid, and its ``flock`` can be taken (a live server holds it).
+
+A segment without a lock file here (another server with the same prefix but
+another runtime dir, an older version) is left alone and counted as unproven; a
+live server's segments are counted as live.  Lock files of dead instances are
+removed with their segments, so ``ExecStartPre`` cleanup is not needed.
+
 Access: names carry 128 random bits (``secrets``) and are created with
 ``O_CREAT|O_EXCL``, so nobody can predict or pre-create one; but ``/dev/shm`` is
 listable, so the *mode* is what keeps other users out (0600: only the sidecar's
@@ -41,15 +71,30 @@ one sidecar each.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
 import mmap
 import os
+import re
 import secrets
+import stat
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
 from toktier_client.shm import HEADER_BYTES, HEADER_DTYPE, IDS_DTYPE, LAYOUT_VERSION, MAGIC, segment_bytes
+
+from .errors import ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+#: errnos that mean "no memory for this segment": the request fails, the server does not.
+_EXHAUSTED = frozenset({errno.ENOSPC, errno.ENOMEM, errno.EDQUOT, errno.EFBIG})
+_INSTANCE = re.compile(r"[0-9a-f]{12}")
 
 #: Smallest session segment: one page holds the header and 1008 IDs.
 MIN_CAPACITY = (mmap.PAGESIZE - HEADER_BYTES) // IDS_DTYPE.itemsize
@@ -62,12 +107,19 @@ class Segment:
 
     def __init__(self, pool: "ArenaPool", capacity: int) -> None:
         nbytes = segment_bytes(capacity)
-        name = f"/{pool.prefix}-{secrets.token_urlsafe(16)}"
+        name = f"/{pool.prefix}-{pool.instance}-{secrets.token_urlsafe(16)}"
         shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=pool.mode, size=nbytes)
         try:
             if pool.gid is not None:
                 os.fchown(shm.fd, -1, pool.gid)
-            mm = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            _allocate(shm.fd, nbytes, name)
+            try:
+                mm = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                if exc.errno in _EXHAUSTED:  # no address space / map count left: this request's failure
+                    raise ResourceExhausted(f"cannot map a {nbytes}-byte shared-memory segment: {exc.strerror}") \
+                        from None
+                raise
         except BaseException:
             shm.close_fd()
             posix_ipc.unlink_shared_memory(name)
@@ -126,14 +178,34 @@ class SessionArena:
             self.segment.unlink()
 
 
+def _allocate(fd: int, nbytes: int, name: str) -> None:
+    """Give the segment all its pages now, so no later write can SIGBUS; a full ``/dev/shm``
+    becomes :class:`ResourceExhausted` (glibc emulates the call where the filesystem lacks it)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in _EXHAUSTED:
+            raise
+        raise ResourceExhausted(
+            f"shared memory is exhausted: cannot allocate {nbytes} bytes for a segment in {SHM_DIR} "
+            f"({errno.errorcode.get(exc.errno, exc.errno)}); free memory or enlarge {SHM_DIR} "
+            "(Docker: --shm-size) or lower the memory budget") from None
+
+
 class ArenaPool:
     """Creates segments with the configured prefix/mode/group and tracks every live name.
 
-    Thread-safe: workers allocate while the event loop releases."""
+    ``instance`` (12 hex characters, drawn here) is part of every name, so the startup
+    sweep can tell this server's segments from every other's.  Thread-safe: workers
+    allocate while the event loop releases."""
 
-    def __init__(self, prefix: str = "toktier", *, mode: int = 0o600, gid: int | None = None) -> None:
+    def __init__(self, prefix: str = "toktier", *, mode: int = 0o600, gid: int | None = None,
+                 instance: str | None = None) -> None:
         if "/" in prefix or not prefix:
             raise ValueError(f"invalid shared-memory prefix {prefix!r}")
+        self.instance = instance or secrets.token_hex(6)
+        if not _INSTANCE.fullmatch(self.instance):
+            raise ValueError(f"invalid instance tag {self.instance!r} (12 lowercase hex characters)")
         self.prefix = prefix
         self.mode = mode
         self.gid = gid
@@ -190,3 +262,109 @@ def _unlink(name: str) -> None:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         pass  # already gone (e.g. removed by an operator); nothing to do
+
+
+# ------------------------------------------------------------------ crash cleanup
+class InstanceLock:
+    """A running server's claim on its segments: ``<directory>/<prefix>-<instance>.lock``,
+    created 0600 and held with an exclusive ``flock`` until :meth:`release` (or the process
+    dies, whatever kills it: the kernel drops the lock)."""
+
+    def __init__(self, directory: str, prefix: str, instance: str) -> None:
+        self.path = os.path.join(directory, f"{prefix}-{instance}.lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> "InstanceLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, f"{os.getpid()}\n".encode())  # for operators; the flock is the proof
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Remove the lock file, then drop the lock (the segments are gone by then)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """What :func:`sweep_stale` did (counts of segments)."""
+
+    removed: int = 0
+    removed_bytes: int = 0
+    live: int = 0  # another running instance holds its lock
+    unproven: int = 0  # no lock file of ours names their instance: not provably ours
+    foreign: int = 0  # our prefix but another owner uid (or not a regular file)
+    lock_files: int = 0  # dead instances' lock files removed
+
+
+def sweep_stale(prefix: str, directory: str, *, own_instance: str = "", shm_dir: str = SHM_DIR) -> SweepReport:
+    """Unlink the segments of dead instances of this server (rules in the module docstring).
+
+    ``directory`` is the server's private runtime directory (where the lock files are);
+    ``own_instance`` is never swept.  Never raises for one odd entry: it is skipped."""
+    uid = os.geteuid()
+    lead = prefix + "-"
+    segments: dict[str, list[tuple[str, int]]] = {}
+    foreign = 0
+    for entry in os.scandir(shm_dir):
+        if not entry.name.startswith(lead):
+            continue
+        instance, sep, _rest = entry.name[len(lead):].partition("-")
+        if not sep or not _INSTANCE.fullmatch(instance) or instance == own_instance:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+            foreign += 1
+            continue
+        segments.setdefault(instance, []).append((entry.name, st.st_size))
+    lock_suffix = ".lock"
+    for entry in os.scandir(directory):  # dead instances whose segments are all gone still have a lock file
+        if entry.name.startswith(lead) and entry.name.endswith(lock_suffix):
+            instance = entry.name[len(lead): -len(lock_suffix)]
+            if _INSTANCE.fullmatch(instance) and instance != own_instance:
+                segments.setdefault(instance, [])
+    removed = removed_bytes = live = unproven = lock_files = 0
+    for instance, segs in segments.items():
+        path = os.path.join(directory, f"{lead}{instance}{lock_suffix}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # no lock file (or a symlink): not provably ours
+            unproven += len(segs)
+            continue
+        try:
+            if os.fstat(fd).st_uid != uid:
+                unproven += len(segs)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                live += len(segs)  # its server is running
+                continue
+            for name, size in segs:
+                try:
+                    posix_ipc.unlink_shared_memory("/" + name)
+                except posix_ipc.ExistentialError:
+                    continue
+                removed += 1
+                removed_bytes += size
+            os.unlink(path)  # still holding its lock: no instance can be using it
+            lock_files += 1
+        finally:
+            os.close(fd)
+    return SweepReport(removed, removed_bytes, live, unproven, foreign, lock_files)

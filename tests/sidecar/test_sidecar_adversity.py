@@ -192,7 +192,8 @@ def test_handoffs_must_be_released(start_sidecar):
     assert shm_names(sc.prefix) == []  # connection closed: its handoffs are unlinked
 
 
-def test_tokenizer_mismatch_and_conflicts(sidecar, llama3):
+def test_tokenizer_mismatch_and_conflicts(start_sidecar, llama3):
+    sidecar = start_sidecar(lazy_load=True)  # cl100k_base is loaded on first use
     with Client(sidecar.path) as c:
         s = c.session("tm", tokenizer="llama3", text="abc")
         with pytest.raises(TokenizerMismatch):

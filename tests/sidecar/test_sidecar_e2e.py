@@ -128,7 +128,8 @@ def test_stateless_encode_is_a_released_handoff(sidecar, llama3):
         assert len(c.encode("").ids) == 0
 
 
-def test_other_tokenizers_lazy_loaded(sidecar):
+def test_other_tokenizers_lazy_loaded(start_sidecar):
+    sidecar = start_sidecar(lazy_load=True)  # off by default (issue 15): enabled explicitly here
     text = "Hello, world! 12345 don't   stop\n\n東京 🙂 <|endoftext|>"
     with Client(sidecar.path) as c:
         for name in ("cl100k_base", "o200k_base"):
@@ -333,15 +334,15 @@ def test_verifier_mismatch_disables_fast_path_until_reenabled(start_sidecar, lla
     import toktier.session as ts
 
     corrupt = {"on": False}
-    original = ts.Session._commit
+    original = ts.Session._repair  # every splice returns through it (the compiled lane's too)
 
-    def faulty_commit(self, *a, **k):
+    def faulty_repair(self, *a, **k):
         r = original(self, *a, **k)
-        if corrupt["on"]:
+        if corrupt["on"] and isinstance(r, ts.OpResult):
             self._ids.view()[-1] ^= 1  # a silent wrong ID in the served result
         return r
 
-    monkeypatch.setattr(ts.Session, "_commit", faulty_commit)
+    monkeypatch.setattr(ts.Session, "_repair", faulty_repair)
     sc = start_sidecar(verify_rate=1.0, verify_disable_on_mismatch=True)
     with Client(sc.path) as c:
         s = c.session("m", text="word " * 300)

@@ -42,6 +42,7 @@ RAISED = [
     SE.Overloaded("too many"),
     SE.BadRequest("bad window"),
     SE.ShuttingDown("bye"),
+    SE.ResourceExhausted("shared memory is exhausted"),
 ]
 
 

@@ -21,7 +21,7 @@ from sidecar_harness import shm_names
 ints = st.one_of(st.integers(-3, 40), st.integers(-(2**63), 2**64 - 1))
 texts = st.one_of(st.text(max_size=50), st.sampled_from(["", "<|eot_id|>", "🙂" * 5, "a\r\n", "123 456"]))
 names = st.sampled_from(["", "llama3", "cl100k_base", "nope", "../../etc/passwd", "f" * 64])
-sessions = st.sampled_from(["a", "b", "", "x" * 300])
+sessions = st.sampled_from(["a", "b", "", "x" * 256, "x" * 300])  # 300 bytes: refused (issue 15)
 
 requests = st.one_of(
     st.builds(P.Open, id=ints, session=sessions, tokenizer=names, text=texts,
@@ -99,7 +99,7 @@ def test_after_fuzzing_the_server_is_healthy(sidecar, llama3):
         st_ = c.stats()
         assert st_.shm_segments == st_.sessions  # one segment per open session, no strays
         assert len(shm_names(sidecar.prefix)) == st_.sessions
-        for sid in ("a", "b", "", "x" * 300, "healthy"):
+        for sid in ("a", "b", "", "x" * 256, "healthy"):
             c.call(P.Close(id=c.next_id(), session=sid))
         assert c.stats().sessions == 0
     assert shm_names(sidecar.prefix) == []

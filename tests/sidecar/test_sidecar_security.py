@@ -91,8 +91,8 @@ def test_other_uid_cannot_connect_by_default(sidecar):
 def test_peercred_refuses_unlisted_uid(sidecar):
     os.chmod(sidecar.path, 0o666)  # even if the file mode is opened up, SO_PEERCRED decides
 
-    def attempt():
-        Client(sidecar.path, reconnect=False)
+    def attempt():  # it trusts root's sidecar (expected_server_uid): the refusal is the server's
+        Client(sidecar.path, reconnect=False, expected_server_uid=0)
     out = as_user(NOBODY, NOBODY, attempt)
     assert out.get("error") == "PermissionDenied" and "PermissionError" in out["bases"], out
     with Client(sidecar.path) as c:  # the owner is still served
@@ -108,7 +108,7 @@ def test_admitted_uid_gets_its_own_namespace(start_sidecar, public_dir, llama3):
 
     def peer():
         import toktier_client as tc
-        with tc.Client(sc.path, reconnect=False) as c:
+        with tc.Client(sc.path, reconnect=False, expected_server_uid=0) as c:
             try:
                 c.call(tc.protocol.Append(id=c.next_id(), session="secret", text="x"))
                 saw = "root's session"
@@ -149,7 +149,7 @@ def test_shared_namespace_when_configured(start_sidecar, public_dir, llama3):
 
     def peer():
         import toktier_client as tc
-        with tc.Client(sc.path, reconnect=False) as c:
+        with tc.Client(sc.path, reconnect=False, expected_server_uid=0) as c:
             return c.session("team", text="shared text, extended").last.path
     out = as_user(NOBODY, NOBODY, peer)
     assert out.get("ok") in ("first_window", "widened"), out  # it found root's session and repaired it

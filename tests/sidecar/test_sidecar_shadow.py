@@ -255,7 +255,7 @@ def test_prometheus_metrics():
         get = reg.get_sample_value
         assert get("toktier_shadow_checked_total", label) == st.checked
         assert (get("toktier_shadow_mismatches_total", label) or 0) == st.mismatches
-        assert (get("toktier_shadow_dropped_total") or 0) == st.dropped
+        assert (get("toktier_shadow_dropped_total", {"reason": "queue_full"}) or 0) == st.dropped
         assert (get("toktier_shadow_errors_total") or 0) == st.errors == 0
         assert get("toktier_shadow_queue_depth") == 0
         assert get("toktier_shadow_sample_rate") == 0.5

@@ -13,6 +13,7 @@ from .errors import (
     BadRequest,
     ConnectionLost,
     FrameTooLarge,
+    InsecureRuntimeDir,
     InternalError,
     InvalidEditRange,
     InvalidText,
@@ -23,8 +24,11 @@ from .errors import (
     InvalidState,
     RemoteError,
     RequestTimeout,
+    ResourceExhausted,
     SegmentAccessDenied,
     SegmentGone,
+    ServerIdentityError,
+    SessionClosed,
     SessionConflict,
     SessionMiss,
     ShuttingDown,
@@ -36,6 +40,7 @@ from .errors import (
     UnsupportedTokenizer,
     VersionMismatch,
 )
+from .paths import default_socket_path
 from .protocol import PROTOCOL_VERSION
 from .shm import Result
 
@@ -45,5 +50,6 @@ __all__ = [
     "TokenizerMismatch", "TokenizerDataMissing", "InvalidEditRange", "InvalidText", "BadRequest",
     "BadFrame", "FrameTooLarge", "TooLarge", "Overloaded", "PermissionDenied", "VersionMismatch",
     "ShuttingDown", "InternalError", "ConnectionLost", "ProtocolError", "RequestTimeout", "SegmentGone", "SegmentAccessDenied",
-    "UnsupportedTokenizer", "ReferenceEngineError", "InvalidState",
+    "UnsupportedTokenizer", "ReferenceEngineError", "InvalidState", "ResourceExhausted", "SessionClosed",
+    "ServerIdentityError", "InsecureRuntimeDir", "default_socket_path",
 ]

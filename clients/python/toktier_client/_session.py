@@ -6,18 +6,30 @@ flow (see :mod:`toktier_client.core`): it turns ``Ids`` replies into
 moved the session to another segment), tracks the session's ``seq`` so retried
 ops cannot be applied twice, ends the previous result's lease so
 ``Result.valid`` is exact, and, when recovery is enabled, mirrors the session
-text (:class:`TextMirror`) so a miss or conflict is answered by re-opening with
+text (:class:`TextMirror`) so a miss is answered by re-creating the session with
 the full text.
+
+Recovery never overwrites another writer's acknowledged ops:
+
+* a *conflict* (the session's seq is not the one this client last saw: another
+  writer changed it) is always raised, never answered by a re-open;
+* a *miss* is answered by an ``Open(create_only=True)``: if another writer
+  re-created the session meanwhile, that is a conflict, raised too;
+* every op carries an ``op_key`` (this state's random writer token and a counter),
+  so a request the client re-sends after a dropped connection, whose first send
+  was applied, is answered with that op's result instead of a conflict.
 """
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from dataclasses import dataclass
 from typing import Callable
 
 from . import protocol as P
 from .core import Flow, expect, result_from
-from .errors import ProtocolError, SessionConflict, SessionMiss
+from .errors import ProtocolError, SegmentGone, SessionClosed, SessionConflict, SessionMiss
 from .shm import Lease, Mapping, Result
 
 
@@ -90,7 +102,8 @@ class PendingOp:
 
     text: str
 
-    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Append | P.Edit | P.Sync:
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str,
+                op_key: str = "") -> P.Append | P.Edit | P.Sync:
         raise NotImplementedError
 
     def apply(self, mirror: TextMirror) -> None:
@@ -101,8 +114,9 @@ class PendingOp:
 class AppendOp(PendingOp):
     text: str
 
-    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Append:
-        return P.Append(id=rid, session=session, text=self.text, expect_seq=expect_seq, tokenizer=tokenizer)
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str, op_key: str = "") -> P.Append:
+        return P.Append(id=rid, session=session, text=self.text, expect_seq=expect_seq, tokenizer=tokenizer,
+                        op_key=op_key)
 
     def apply(self, mirror: TextMirror) -> None:
         mirror.append(self.text)
@@ -114,9 +128,9 @@ class EditOp(PendingOp):
     end: int
     text: str
 
-    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Edit:
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str, op_key: str = "") -> P.Edit:
         return P.Edit(id=rid, session=session, start=self.start, end=self.end, text=self.text,
-                      expect_seq=expect_seq, tokenizer=tokenizer)
+                      expect_seq=expect_seq, tokenizer=tokenizer, op_key=op_key)
 
     def apply(self, mirror: TextMirror) -> None:
         mirror.edit(self.start, self.end, self.text)
@@ -126,8 +140,9 @@ class EditOp(PendingOp):
 class SyncOp(PendingOp):
     text: str
 
-    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str) -> P.Sync:
-        return P.Sync(id=rid, session=session, text=self.text, expect_seq=expect_seq, tokenizer=tokenizer)
+    def request(self, rid: int, session: str, expect_seq: int, tokenizer: str, op_key: str = "") -> P.Sync:
+        return P.Sync(id=rid, session=session, text=self.text, expect_seq=expect_seq, tokenizer=tokenizer,
+                      op_key=op_key)
 
     def apply(self, mirror: TextMirror) -> None:
         mirror.sync(self.text)
@@ -145,6 +160,7 @@ class SessionState:
         specials: P.Specials,
         window: int,
         bind_to_connection: bool,
+        owner_uid: int | None = None,
     ) -> None:
         self.session_id = session_id
         self.tokenizer = tokenizer  # as the caller named it (name or hash)
@@ -156,6 +172,9 @@ class SessionState:
         self.seq = -1  # unknown until the first reply
         self.mirror: TextMirror | None = TextMirror() if recover else None
         self.closed = False
+        self.owner_uid = owner_uid  # the server's verified uid: every mapped segment must be its
+        self._writer = secrets.token_hex(8)  # 64 random bits: op keys no other writer can guess
+        self._op_numbers = itertools.count(1)
         self._mapping: Mapping | None = None
         self._lease: Lease | None = None
 
@@ -171,15 +190,23 @@ class SessionState:
         return self._accept(reply, SyncOp(text))
 
     def op(self, next_id: Callable[[], int], op: PendingOp) -> Flow[Result]:
-        """Apply ``op``; with recovery, answer a miss or conflict by re-opening with the full text."""
+        """Apply ``op``; with recovery, answer a miss by re-creating the session with the full text.
+
+        A conflict is raised, with or without recovery: another writer changed the session,
+        and re-opening from this client's mirror would silently drop that writer's
+        acknowledged ops.  The re-create is ``create_only``: if another writer re-created the
+        session first, that is a conflict too."""
         try:
-            reply = yield op.request(next_id(), self.session_id, self.seq, self.tokenizer_hash)
-        except (SessionMiss, SessionConflict):
+            reply = yield op.request(next_id(), self.session_id, self.seq, self.tokenizer_hash, self._op_key())
+        except SessionConflict:
+            self._end_lease()
+            raise
+        except SessionMiss:
             self._end_lease()  # the sidecar's session is not the state this client last saw
             if not self.recover:
                 raise
             text = self.recovery_text(op)
-            reply = yield self.open_request(next_id(), text)
+            reply = yield self.open_request(next_id(), text, create_only=True)
             return self._accept(reply, SyncOp(text))
         return self._accept(reply, op)
 
@@ -192,7 +219,7 @@ class SessionState:
         return expect(reply, P.Closed).existed
 
     # ------------------------------------------------------------------ requests
-    def open_request(self, rid: int, text: str) -> P.Open:
+    def open_request(self, rid: int, text: str, *, create_only: bool = False) -> P.Open:
         return P.Open(
             id=rid,
             session=self.session_id,
@@ -201,7 +228,13 @@ class SessionState:
             specials=self.specials,
             window=self.window,
             bind_to_connection=self.bind_to_connection,
+            create_only=create_only,
+            op_key=self._op_key(),
         )
+
+    def _op_key(self) -> str:
+        """A key no other op (of any writer) carries: a re-sent request keeps its key."""
+        return f"{self._writer}.{next(self._op_numbers)}"
 
     def recovery_text(self, op: PendingOp | None) -> str:
         """Full text to re-open with after a miss/conflict (only when ``recover`` is on): the
@@ -223,7 +256,15 @@ class SessionState:
             raise ProtocolError("expected a session Ids reply, got a handoff")
         mapping = self._mapping
         if mapping is None or mapping.name != ids.segment:
-            mapping = self._mapping = Mapping.open(ids.segment)
+            try:
+                mapping = self._mapping = Mapping.open(ids.segment, self.owner_uid)
+            except SegmentGone:
+                # The op was applied, then the session ended (a close, TTL or eviction through
+                # another connection) before we mapped its segment: no result exists to read.
+                self._mapping = None
+                self._end_lease()
+                raise SessionClosed(f"session {self.session_id!r} ended before its result could be read "
+                                    "(closed, expired or evicted meanwhile)", request_id=ids.id) from None
         self.seq = ids.seq
         self.tokenizer_hash = ids.tokenizer
         if self.mirror is not None:

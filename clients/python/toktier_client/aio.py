@@ -2,10 +2,15 @@
 
 Bound a request with ``asyncio.wait_for``; a cancelled request's late reply is discarded.
 
->>> async with AsyncClient("/run/toktier/toktier.sock") as c:        # doctest: +SKIP
+>>> async with AsyncClient() as c:       # the default socket (toktier_client.paths)  # doctest: +SKIP
 ...     s = await c.session("conv-1", tokenizer="llama3")
 ...     r = await s.append("Hello")
 ...     r.ids                                   # zero-copy numpy view
+
+At most ``max_inflight`` requests are on the wire at once (default: the server's
+per-connection limit, at most 32); more wait their turn in the client instead of
+getting ``Overloaded``.  The server is verified as :class:`~toktier_client.Client`
+does it (SO_PEERCRED before the first byte, segment owners).
 
 Ops on one :class:`AsyncSession` are serialized by a per-session lock (the
 sidecar orders them anyway; the lock also guarantees a reply's segment is mapped
@@ -29,16 +34,21 @@ from . import protocol as P
 from ._session import AppendOp, EditOp, PendingOp, SessionState, SessionView, SyncOp
 from .core import Answered, Backoff, Broken, ClientConnection, Event, Failed, Flow, T, Welcomed
 from .errors import ConnectionLost, TokTierError
+from .identity import expected_server_uid as _expected_uid, verify_server
+from .paths import default_socket_path
 from .shm import Result
 
 _WRITE_HIGH_WATER = 1 << 20
+#: Most requests on the wire per client when not configured (the server's default allows 64).
+DEFAULT_MAX_INFLIGHT = 32
 
 
 class _Protocol(asyncio.Protocol):
     """Thin adapter for one connection: bytes <-> its ``ClientConnection``; events -> futures."""
 
-    def __init__(self, client_name: str) -> None:
+    def __init__(self, client_name: str, server_uid: int, path: str) -> None:
         loop = asyncio.get_running_loop()
+        self.server_uid, self.path = server_uid, path
         self.conn = ClientConnection(client_name)
         self.transport: asyncio.Transport | None = None
         self.welcomed: asyncio.Future[P.Welcome] = loop.create_future()
@@ -52,6 +62,13 @@ class _Protocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream transport (uvloop's too)
+        try:  # who listens, before the first byte leaves
+            verify_server(transport.get_extra_info("socket"), self.server_uid, self.path)
+        except TokTierError as exc:
+            self.conn.connection_lost()
+            self.welcomed.set_exception(exc)
+            self.transport.abort()
+            return
         self.transport.write(self.conn.hello())
 
     def data_received(self, data: bytes) -> None:
@@ -118,14 +135,21 @@ class AsyncClient:
 
     def __init__(
         self,
-        socket_path: str | os.PathLike[str],
+        socket_path: str | os.PathLike[str] | None = None,
         *,
         reconnect: bool = True,
         reconnect_timeout: float = 10.0,
         connect_timeout: float = 10.0,
         client_name: str = "toktier_client.aio",
+        expected_server_uid: int | None = None,
+        max_inflight: int | None = None,
     ) -> None:
-        self.socket_path = os.fspath(socket_path)
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, not {max_inflight}")
+        self.socket_path = default_socket_path() if socket_path is None else os.fspath(socket_path)
+        self.server_uid = _expected_uid(expected_server_uid)
+        self.max_inflight = max_inflight
+        self._slots: asyncio.Semaphore | None = None  # sized at the first handshake when not configured
         self.reconnect = reconnect
         self.reconnect_timeout = reconnect_timeout
         self.connect_timeout = connect_timeout
@@ -138,7 +162,8 @@ class AsyncClient:
     async def connect(self) -> "AsyncClient":
         loop = asyncio.get_running_loop()
         try:
-            _, proto = await loop.create_unix_connection(lambda: _Protocol(self.client_name), self.socket_path)
+            _, proto = await loop.create_unix_connection(
+                lambda: _Protocol(self.client_name, self.server_uid, self.socket_path), self.socket_path)
         except OSError as exc:
             raise ConnectionLost(f"cannot connect to {self.socket_path}: {exc}") from exc
         try:
@@ -148,7 +173,14 @@ class AsyncClient:
                 proto.transport.abort()
             raise ConnectionLost(
                 f"no handshake reply from {self.socket_path} within {self.connect_timeout} s") from None
+        except BaseException:
+            if proto.transport is not None:
+                proto.transport.abort()
+            raise
         self._proto, self.welcome = proto, welcome
+        if self._slots is None:
+            self.max_inflight = self.max_inflight or min(welcome.max_inflight, DEFAULT_MAX_INFLIGHT)
+            self._slots = asyncio.Semaphore(self.max_inflight)
         return self
 
     async def _reconnect(self, broken: _Protocol | None) -> None:
@@ -179,6 +211,12 @@ class AsyncClient:
 
     # ------------------------------------------------------------------- I/O
     async def _roundtrip(self, msg: P.Request) -> P.Reply:
+        if self._slots is None:
+            return await self._send_and_wait(msg)
+        async with self._slots:  # a burst queues here instead of getting Overloaded
+            return await self._send_and_wait(msg)
+
+    async def _send_and_wait(self, msg: P.Request) -> P.Reply:
         proto = self._proto
         if proto is None:
             raise ConnectionLost("not connected")
@@ -244,7 +282,7 @@ class AsyncClient:
     ) -> "AsyncSession":
         state = SessionState(
             session_id, tokenizer, recover=recover, specials=specials, window=window,
-            bind_to_connection=bind_to_connection,
+            bind_to_connection=bind_to_connection, owner_uid=self.server_uid,
         )
         s = AsyncSession(self, state)
         async with s._lock:
@@ -252,7 +290,7 @@ class AsyncClient:
         return s
 
     async def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all") -> Result:
-        return await self.run(core.encode(self.next_id, text, tokenizer, specials))
+        return await self.run(core.encode(self.next_id, text, tokenizer, specials, self.server_uid))
 
     async def stats(self) -> P.StatsReply:
         return await self.run(core.request(P.Stats(id=self.next_id()), P.StatsReply))

@@ -1,12 +1,16 @@
 """Blocking client: one Unix-socket connection, one request at a time.
 
->>> with Client("/run/toktier/toktier.sock") as c:                    # doctest: +SKIP
+>>> with Client() as c:          # the default socket (toktier_client.paths)  # doctest: +SKIP
 ...     s = c.session("conv-1", tokenizer="llama3", recover=True)
 ...     r = s.append("Hello, world")
 ...     r.ids            # numpy uint32 view of shared memory, no copy
 ...     r.first_changed  # KV-cache reuse boundary
 
 Not thread-safe: use one Client per thread, or :class:`toktier_client.AsyncClient`.
+With no ``socket_path`` it connects to :func:`toktier_client.paths.default_socket_path`.
+Before sending anything it checks who listens (SO_PEERCRED, :mod:`toktier_client.identity`):
+the sidecar must run as this process's uid, or as ``expected_server_uid`` /
+``$TOKTIER_SERVER_UID``; every segment it maps must be owned by that uid.
 ``timeout`` (seconds, None = wait forever) bounds each reply; it raises
 :class:`~toktier_client.errors.RequestTimeout` and is never retried.
 On a dropped connection the client reconnects (waiting up to
@@ -33,6 +37,8 @@ from . import protocol as P
 from ._session import AppendOp, EditOp, PendingOp, SessionState, SessionView, SyncOp
 from .core import Answered, Backoff, Broken, ClientConnection, Event, Failed, Flow, T, Welcomed
 from .errors import ConnectionLost, RequestTimeout, TokTierError
+from .identity import expected_server_uid as _expected_uid, verify_server
+from .paths import default_socket_path
 from .shm import Result
 
 _RECV_BYTES = 1 << 16
@@ -43,14 +49,16 @@ class Client:
 
     def __init__(
         self,
-        socket_path: str | os.PathLike[str],
+        socket_path: str | os.PathLike[str] | None = None,
         *,
         timeout: float | None = None,
         reconnect: bool = True,
         reconnect_timeout: float = 10.0,
         client_name: str = "toktier_client",
+        expected_server_uid: int | None = None,
     ) -> None:
-        self.socket_path = os.fspath(socket_path)
+        self.socket_path = default_socket_path() if socket_path is None else os.fspath(socket_path)
+        self.server_uid = _expected_uid(expected_server_uid)
         self.timeout = timeout
         self.reconnect = reconnect
         self.reconnect_timeout = reconnect_timeout
@@ -73,6 +81,11 @@ class Client:
         except OSError as exc:
             sock.close()
             raise ConnectionLost(f"cannot connect to {self.socket_path}: {exc}") from exc
+        try:
+            verify_server(sock, self.server_uid, self.socket_path)  # before the first byte leaves
+        except BaseException:
+            sock.close()
+            raise
         conn = ClientConnection(self.client_name)
         self._sock, self._conn, self._events = sock, conn, deque()
         try:
@@ -222,7 +235,7 @@ class Client:
         by re-sending the full text, which the client then mirrors locally."""
         state = SessionState(
             session_id, tokenizer, recover=recover, specials=specials, window=window,
-            bind_to_connection=bind_to_connection,
+            bind_to_connection=bind_to_connection, owner_uid=self.server_uid,
         )
         s = Session(self, state)
         s.last = self.run(state.open(self.next_id, text))
@@ -230,7 +243,7 @@ class Client:
 
     def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all") -> Result:
         """Stateless full encode; ``ids`` is a view of a one-shot shared-memory segment."""
-        return self.run(core.encode(self.next_id, text, tokenizer, specials))
+        return self.run(core.encode(self.next_id, text, tokenizer, specials, self.server_uid))
 
     def stats(self) -> P.StatsReply:
         return self.run(core.request(P.Stats(id=self.next_id()), P.StatsReply))

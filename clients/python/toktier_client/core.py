@@ -152,7 +152,7 @@ class ClientConnection:
         for body in bodies:
             try:
                 msg = P.REPLY_DECODER.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                 events.append(self._break(ProtocolError(f"undecodable reply: {exc}")))
                 break
             event = self._event(msg)
@@ -234,11 +234,13 @@ def request(msg: P.Request, reply_type: type[R]) -> Flow[R]:
     return expect((yield msg), reply_type)
 
 
-def encode(next_id: Callable[[], int], text: str, tokenizer: str, specials: P.Specials) -> Flow[Result]:
-    """Stateless encode: map the one-shot segment, then ``Release`` it (even if mapping failed)."""
+def encode(next_id: Callable[[], int], text: str, tokenizer: str, specials: P.Specials,
+           owner_uid: int | None = None) -> Flow[Result]:
+    """Stateless encode: map the one-shot segment (it must be owned by ``owner_uid``, the
+    server's uid), then ``Release`` it (even if mapping failed)."""
     reply = expect((yield P.Encode(id=next_id(), text=text, tokenizer=tokenizer, specials=specials)), P.Ids)
     try:
-        mapping = Mapping.open(reply.segment)
+        mapping = Mapping.open(reply.segment, owner_uid)
     finally:
         if reply.handoff:
             yield P.Release(segment=reply.segment)

@@ -14,7 +14,10 @@ Two kinds, kept apart (as h11 and asyncpg do):
 * Local conditions: :class:`ConnectionLost` (the socket died),
   :class:`ProtocolError` (the *server* sent something this client cannot
   understand), :class:`SegmentAccessDenied`, :class:`SegmentGone` (a reply named a shared-memory segment that
-  no longer exists because a later op on the same session already replaced it).
+  no longer exists because a later op on the same session already replaced it),
+  :class:`SessionClosed` (the session ended before its reply could be mapped),
+  :class:`ServerIdentityError` (whoever listens on the socket, or owns a segment, is not the
+  expected server uid) and :class:`InsecureRuntimeDir` (the socket's directory is not private).
 """
 
 from __future__ import annotations
@@ -169,6 +172,15 @@ class ShuttingDown(RemoteError):
     code = ErrorCode.SHUTTING_DOWN
 
 
+class ResourceExhausted(RemoteError):
+    """The sidecar host ran out of shared memory (``/dev/shm`` full, ENOSPC/ENOMEM) for this
+    request.  Only this request failed (a session that could not grow was closed and its
+    segment unlinked); every other session is intact.  Free memory, or raise ``/dev/shm``'s
+    size (Docker: ``--shm-size``), then re-open."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
 class InternalError(RemoteError):
     """An unexpected failure inside the sidecar (it is logged there)."""
 
@@ -197,13 +209,36 @@ class SegmentAccessDenied(TokTierError, PermissionError):
     configured with a group it shares)."""
 
 
+class SessionClosed(SessionMiss):
+    """The op was answered, but its session ended (closed, expired or evicted through another
+    connection) before this client could map the result's segment: there is no result to
+    read.  A :class:`SessionMiss` with ``reason`` ``"closed"``; the client never returns a
+    reply whose segment is already gone."""
+
+    def __init__(self, message: str = "", *, request_id: int = 0, reason: str = "closed") -> None:
+        super().__init__(message, request_id=request_id, reason=reason)
+
+
+class ServerIdentityError(TokTierError, PermissionError):
+    """The process listening on the socket (SO_PEERCRED), or the owner of a shared-memory
+    segment a reply names, is not the expected server uid: possibly an impostor.  Nothing
+    was sent to it.  Expected: this process's own uid, or ``expected_server_uid=`` /
+    ``$TOKTIER_SERVER_UID`` when the sidecar runs as another user."""
+
+
+class InsecureRuntimeDir(TokTierError, PermissionError):
+    """The directory that holds (or would hold) the socket is not private: a symlink, not a
+    directory, owned by another uid, or writable by group/others.  Another local user could
+    place an impostor socket there."""
+
+
 ERRORS_BY_CODE: dict[ErrorCode, type[RemoteError]] = {
     cls.code: cls
     for cls in (
         SessionMiss, SessionConflict, UnknownTokenizer, TokenizerMismatch, TokenizerDataMissing,
         UnsupportedTokenizer, InvalidEditRange, InvalidText, BadRequest, BadFrame, FrameTooLarge, TooLarge,
         Overloaded, PermissionDenied, VersionMismatch, ShuttingDown, ReferenceEngineError, InvalidState,
-        InternalError,
+        ResourceExhausted, InternalError,
     )
 }
 

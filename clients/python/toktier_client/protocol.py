@@ -59,6 +59,12 @@ DEFAULT_MAX_FRAME = 4 * DEFAULT_MAX_SESSION_CHARS + 64 * 1024
 
 HEADER = struct.Struct(">I")
 
+#: Longest session id, in UTF-8 bytes.  Ids are store keys, lane keys and tombstones, and
+#: error messages quote them: bounded, they cost the sidecar a known amount per session.
+MAX_SESSION_ID_BYTES = 256
+#: Longest ``op_key`` (the client's idempotency key for one op), in UTF-8 bytes.
+MAX_OP_KEY_BYTES = 64
+
 #: ``"all"``: special-token literals in the text are special tokens; ``"none"``: plain text.
 Specials = Literal["all", "none"]
 #: How the sidecar got a result (``toktier.RepairPath`` values).
@@ -86,6 +92,7 @@ class ErrorCode(str, enum.Enum):
     PERMISSION_DENIED = "permission_denied"
     VERSION_MISMATCH = "version_mismatch"
     SHUTTING_DOWN = "shutting_down"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
     INTERNAL = "internal"
 
 
@@ -114,6 +121,10 @@ class Open(_Msg, tag="open"):
     ``window`` 0 means the sidecar's default repair window.  With
     ``bind_to_connection`` the session is closed when this connection closes.
     Open is idempotent: re-sending it always yields exactly ``text``'s tokens.
+
+    ``create_only`` (recovery re-opens) refuses with ``session_conflict`` when the
+    session already exists, unless it was created by this very request (same
+    ``op_key``): a recovering client never overwrites what another writer rebuilt.
     """
 
     id: int
@@ -123,16 +134,24 @@ class Open(_Msg, tag="open"):
     specials: Specials = "all"
     window: int = 0
     bind_to_connection: bool = False
+    create_only: bool = False
+    op_key: str = ""
 
 
 class Append(_Msg, tag="append"):
-    """Append ``text``.  ``expect_seq`` >= 0 refuses the op unless the session is at that seq."""
+    """Append ``text``.  ``expect_seq`` >= 0 refuses the op unless the session is at that seq.
+
+    ``op_key`` (at most ``MAX_OP_KEY_BYTES``, unique per op) makes a re-sent op safe: when
+    the session's latest op carried the same key, the sidecar answers with that op's result
+    instead of a conflict (the first send was applied, its reply was lost).  Edit and Sync
+    take it too."""
 
     id: int
     session: str
     text: str
     expect_seq: int = -1
     tokenizer: str = ""
+    op_key: str = ""
 
 
 class Edit(_Msg, tag="edit"):
@@ -145,6 +164,7 @@ class Edit(_Msg, tag="edit"):
     text: str
     expect_seq: int = -1
     tokenizer: str = ""
+    op_key: str = ""
 
 
 class Sync(_Msg, tag="sync"):
@@ -155,6 +175,7 @@ class Sync(_Msg, tag="sync"):
     text: str
     expect_seq: int = -1
     tokenizer: str = ""
+    op_key: str = ""
 
 
 class Encode(_Msg, tag="encode"):
@@ -306,7 +327,7 @@ def salvage_request_id(body: bytes | memoryview) -> int | None:
     """The ``id`` of a malformed request body, or None if even that cannot be read."""
     try:
         return _ID_DECODER.decode(body).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # nested too deep
         return None
 
 
@@ -345,6 +366,12 @@ class FrameDecoder:
     def buffered(self) -> int:
         """Bytes of an incomplete frame held (0 at a frame boundary)."""
         return len(self._buf)
+
+    @property
+    def pending(self) -> int:
+        """Body length the incomplete frame announced (0 at a frame boundary or mid-header):
+        what a receiver with a buffer budget must reserve for it."""
+        return max(self._need, 0)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         buf = self._buf

@@ -31,12 +31,13 @@ that session, or until the session moves to another segment or ends
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
-from .errors import ProtocolError, SegmentAccessDenied, SegmentGone
+from .errors import ProtocolError, SegmentAccessDenied, SegmentGone, ServerIdentityError
 
 MAGIC = 0x53544B54  # b"TKTS" read as a little-endian u32
 LAYOUT_VERSION = 1
@@ -74,7 +75,10 @@ class Mapping:
         self.ids = ids
 
     @classmethod
-    def open(cls, name: str) -> "Mapping":
+    def open(cls, name: str, owner_uid: int | None = None) -> "Mapping":
+        """Map segment ``name`` read-only; it must be owned by ``owner_uid`` (the server's verified
+        uid; None: this process's uid), else :class:`ServerIdentityError`: a segment planted by
+        someone else is never read."""
         try:
             seg = posix_ipc.SharedMemory(name, flags=0, read_only=True)
         except posix_ipc.ExistentialError:
@@ -82,6 +86,12 @@ class Mapping:
         except posix_ipc.PermissionsError:
             raise SegmentAccessDenied(f"no permission to map shared-memory segment {name!r}") from None
         try:
+            owner = os.fstat(seg.fd).st_uid  # of the object we opened: no race with a rename
+            expected = os.geteuid() if owner_uid is None else owner_uid
+            if owner != expected:
+                raise ServerIdentityError(
+                    f"shared-memory segment {name!r} is owned by uid {owner}, not the server's uid {expected}; "
+                    "refusing to read it")
             size = seg.size
             if size < HEADER_BYTES:
                 raise ProtocolError(f"segment {name!r} is {size} bytes, smaller than its header")
