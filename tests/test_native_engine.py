@@ -560,3 +560,36 @@ def test_compiled_chunks_check_their_cuts():
     assert starts.tolist() == (np.cumsum(lens) - lens).tolist()
     for b in box:
         tok.native._give(b)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_big_lane_windows_in_chunks_are_exact(name, threads, monkeypatch, tally):
+    # A big append or edit is encoded in chunks on several threads (cut at standalone-stable
+    # boundaries that no literal crosses); one thread gives the same IDs as four, and both are
+    # the reference's.
+    tok = get_tokenizer(name)
+    monkeypatch.setattr(tok.native, "lane_threads", threads)
+    lits = [lit.content for lit in tok.engine.literals if lit.content][:4]
+    text = _stable(tok, large_text(30_000, kind="code"))
+    s = toktier.Session(tok, text)
+    for i, kind in enumerate(("english", "mixed", "multilingual", "code")):
+        base = _stable(tok, large_text(40_000, seed=50 + i, kind=kind))
+        delta = "".join(base[k:k + 7_000] + (lits[k // 7_000 % len(lits)] if lits else "")
+                        for k in range(0, len(base), 7_000))
+        before = s.ids.copy()
+        lane = s.stats.lane
+        r = s.append(delta)
+        text += delta
+        ref = tok.engine.encode(text)
+        assert np.array_equal(r.ids, ref), f"{name} {kind}: append of {len(delta)} characters"
+        m = min(len(ref), len(before))
+        diff = np.flatnonzero(ref[:m] != before[:m])
+        assert r.first_changed == (int(diff[0]) if len(diff) else m)
+        if not tok.family_info.nfc or kind in ("english", "code"):
+            assert s.stats.lane == lane + 1
+        tally(tok, "session", 1)
+    a = len(text) // 3
+    r = s.edit(a, a + 10, _stable(tok, large_text(30_000, seed=9, kind="mixed")))
+    text = s.text
+    assert np.array_equal(r.ids, tok.engine.encode(text))

@@ -31,8 +31,11 @@ except ImportError as exc:  # a source tree nobody built (`pip install -e .` bui
     BUILD_ERROR = f"the compiled module toktier.native._engine is not built ({exc})"
 
 
+CORES = os.cpu_count() or 1
 #: Idle piece caches an engine keeps (each ~4.5 MiB); more concurrent calls make more, then drop them.
-MAX_IDLE_CACHES = 2 * (os.cpu_count() or 1)
+MAX_IDLE_CACHES = 2 * CORES
+#: Inserted bytes per extra thread of the compiled lane (it cuts windows of 12 KB and more; repair.hpp)
+LANE_CHUNK_BYTES = 6 * 1024
 
 
 class NativeEngine:
@@ -49,6 +52,7 @@ class NativeEngine:
         self.demoted: str | None = None  # why it no longer serves (a confirmed shadow mismatch)
         self.nfc_fallbacks = 0  # NFC-family texts the normalizer changes: the reference encoded them
         self._lane = None
+        self.lane_threads = CORES  # threads the compiled lane may use for one big window
 
     @property
     def active(self) -> bool:
@@ -117,9 +121,12 @@ class NativeEngine:
             pairs = np.asarray(fam._tables()[1], dtype=np.uint8)
             if group is None:
                 raise RuntimeError("the family's group table needs a read-only class table")
+            from ..charclass import W
+
             lane = self._lane = _core.RepairLane(
                 self._core, tok.token_len, tok.table.uncertain.astype(np.uint8), group, pairs,
-                tok.max_token_bytes, [lit.content for lit in tok.engine.literals if lit.content])
+                tok.max_token_bytes, [lit.content for lit in tok.engine.literals if lit.content],
+                tok.classes, W)
         return lane
 
     def edit_lane(self, text: bytearray, s: int, e: int, data: bytes, ids: np.ndarray, checkpoints: np.ndarray,
@@ -138,11 +145,14 @@ class NativeEngine:
         """`edit_lane`, then its splice written in place into the session's buffers (`RepairLane.edit_commit`):
         (status, k1, k2, left cut, right cut, fresh count, first changed, new n, new n_cp, mid)."""
         lane = self.lane()
-        cache = self._take()
+        # a big window is encoded in chunks, a thread (and a cache) per core
+        k = min(self.lane_threads, 1 + len(data) // LANE_CHUNK_BYTES)
+        caches = [self._take() for _ in range(k)]
         try:
-            return lane.edit_commit(text, s, e, data, ids, n, checkpoints, n_cp, stride, window, window, cache)
+            return lane.edit_commit(text, s, e, data, ids, n, checkpoints, n_cp, stride, window, window, caches)
         finally:
-            self._give(cache)
+            for cache in caches:
+                self._give(cache)
 
     def pieces(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(piece start character offsets, literal id per piece or -1) of the native pre-tokenizer."""

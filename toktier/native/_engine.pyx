@@ -309,6 +309,8 @@ cdef extern from "repair.hpp" namespace "ttn":
         int64_t n_pairs
         int64_t max_token_bytes
         int64_t max_literal
+        const uint8_t* classes
+        uint8_t w_bit
 
     cdef cppclass LaneResult:
         int status
@@ -335,7 +337,8 @@ cdef extern from "repair.hpp" namespace "ttn":
         LaneTables t
         Trie lit_bytes
         int edit(const uint8_t* T, int64_t n_old, int64_t s, int64_t e, const uint8_t* data, int64_t n_data,
-                 const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, LaneResult& res) except + nogil
+                 const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, const vector[PieceCache*]& more,
+                 LaneResult& res) except + nogil
         cbool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) nogil
 
 
@@ -357,9 +360,16 @@ cdef class RepairLane:
     def __dealloc__(self):
         del self.lane
 
-    def __init__(self, CoreEngine core, token_len, uncertain, group, pairs, int max_token_bytes, list literals):
+    def __init__(self, CoreEngine core, token_len, uncertain, group, pairs, int max_token_bytes, list literals,
+                 classes=None, int w_bit=0):
+        """`classes` (the tokenizer's uint8 class table) and its whitespace bit `w_bit` let the lane
+        cut big windows into chunks encoded on several threads (`edit_commit` with several caches)."""
         arrays = [np.ascontiguousarray(token_len, dtype=np.uint32), np.ascontiguousarray(uncertain, dtype=np.uint8),
                   np.ascontiguousarray(group, dtype=np.uint8), np.ascontiguousarray(pairs, dtype=np.uint8)]
+        if classes is not None:
+            arrays.append(np.ascontiguousarray(classes, dtype=np.uint8))
+            if len(arrays[4]) != 0x110000 or not 0 < w_bit < 256:
+                raise ValueError("the class table must have 0x110000 entries and w_bit one of its bits")
         if len(arrays[0]) != len(arrays[1]) or len(arrays[2]) != 0x110000 or len(arrays[3]) == 0:
             raise ValueError("lane tables have the wrong sizes")
         if core.e.n_records() < len(arrays[0]):
@@ -377,6 +387,11 @@ cdef class RepairLane:
         self.lane.t.pairs = &pa[0]
         self.lane.t.n_pairs = len(arrays[3])
         self.lane.t.max_token_bytes = max_token_bytes
+        cdef const uint8_t[::1] cl
+        if classes is not None:
+            cl = arrays[4]
+            self.lane.t.classes = &cl[0]
+            self.lane.t.w_bit = w_bit
         cdef uint32_t[::1] bs
         longest = 0
         for content in literals:
@@ -399,6 +414,7 @@ cdef class RepairLane:
         cdef const uint8_t* d = data
         cdef LaneResult res
         cdef Cached C
+        cdef vector[PieceCache*] no_more
         cdef int64_t n_old = len(T), n_data = len(data), N = len(I)
         if n_old == 0 or N == 0 or len(CP) != (N + stride - 1) // stride or not 0 <= s <= e <= n_old:
             return 1, 0, 0, 0, 0, 0, None
@@ -409,20 +425,21 @@ cdef class RepairLane:
         C.stride = stride
         C.lane = self.lane
         with nogil:
-            self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], res)
+            self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], no_more, res)
         if res.status != 0:
             return res.status, 0, 0, 0, 0, res.fresh, None
         return 0, res.k1, res.k2, res.q, res.q2, res.fresh, _u32(res.mid.data(), res.mid.size())
 
     def edit_commit(self, text, int64_t s, int64_t e, bytes data, ids_buffer, int64_t n, cp_buffer, int64_t n_cp,
-                    int64_t stride, int64_t wl, int64_t wr, PieceCacheBox cache):
+                    int64_t stride, int64_t wl, int64_t wr, list caches):
         """`edit`, then its splice written in place: `ids_buffer[:n]` are the session's tokens and
         `cp_buffer[:n_cp]` their checkpoints (both uint32, writable, with spare capacity).
 
         Returns (status, k1, k2, left cut, right cut, fresh count, first changed, new n, new
         n_cp, mid).  Status 0 with mid None: committed, the buffers hold the new state.  Status 0
         with mid: certified but a buffer is too small, nothing written (the caller grows it and
-        splices `mid` itself).  Other statuses: declined, nothing written."""
+        splices `mid` itself).  Other statuses: declined, nothing written.  `caches`: one piece
+        cache, or more (a big window is then encoded in chunks, one thread per extra cache)."""
         cdef const uint8_t[::1] T = text
         cdef uint32_t[::1] I = ids_buffer
         cdef uint32_t[::1] CP = cp_buffer
@@ -430,6 +447,11 @@ cdef class RepairLane:
         cdef LaneResult res
         cdef Cached C
         cdef Buffers B
+        cdef vector[PieceCache*] more
+        cdef PieceCacheBox cache = caches[0]
+        cdef PieceCacheBox extra
+        for extra in caches[1:]:
+            more.push_back(extra.c)
         cdef int64_t n_old = len(T), n_data = len(data), first = 0
         cdef cbool done = False
         if (n_old == 0 or n == 0 or n > len(I) or n_cp != (n + stride - 1) // stride or n_cp > len(CP)
@@ -449,7 +471,7 @@ cdef class RepairLane:
         B.cp_cap = len(CP)
         B.stride = stride
         with nogil:
-            self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], res)
+            self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], more, res)
             if res.status == 0:
                 done = self.lane.commit(res, B, first)
         if res.status != 0:

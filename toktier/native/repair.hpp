@@ -42,7 +42,15 @@ struct LaneTables {
   int64_t n_pairs = 0;
   int64_t max_token_bytes = 0;
   int64_t max_literal = 0;               // longest literal (bytes); 0 without literals
+  const uint8_t* classes = nullptr;      // [0x110000] the tokenizer's class table (tok.classes)
+  uint8_t w_bit = 0;                     // its whitespace bit: no chunk cut after whitespace
 };
+
+// Windows of at least this many bytes are cut into chunks encoded on several threads (a
+// thread's start costs ~20-50 us; 8 KB of text ~100 us on one core).
+constexpr int64_t PARALLEL_MIN_BYTES = 12 * 1024;
+constexpr int64_t CHUNK_MIN_BYTES = 6 * 1024;
+constexpr int64_t CUT_SEARCH = 2048;  // code points searched after each target for a cut
 
 struct LaneResult {
   int status = LANE_NO_RUN;
@@ -177,9 +185,58 @@ class Lane {
     return true;
   }
 
+  // Cuts of the window (code point indices) into about `k` chunks that encode independently:
+  // the full path's standalone-stable boundaries (`Family.chunk_stable`: a stable pair whose left
+  // character is not whitespace) that no literal occurrence crosses, searched after each target.
+  void chunk_cuts(const std::vector<uint32_t>& cps, const std::vector<int64_t>& at, const std::vector<uint8_t>& win,
+                  int64_t k, std::vector<int64_t>& cuts) const {
+    const int64_t n = int64_t(cps.size()), nb = int64_t(win.size());
+    for (int64_t c = 1; c < k; ++c) {
+      int64_t q = std::max<int64_t>(n * c / k, cuts.empty() ? 1 : cuts.back() + 1);
+      for (const int64_t stop = std::min(n, q + CUT_SEARCH); q < stop; ++q) {
+        // the literal check sees every occurrence that could cross q only this far inside
+        if (at[q] < t.max_literal || at[q] > nb - t.max_literal) continue;
+        const int64_t pi = int64_t((uint32_t(t.group[cps[q - 1]]) << 4) | t.group[cps[q]]);
+        if (pi >= t.n_pairs || !t.pairs[pi] || (t.classes[cps[q - 1]] & t.w_bit)) continue;
+        if (!lit_bytes.empty() && crossed(win.data(), nb, at[q])) continue;
+        cuts.push_back(q);
+        break;
+      }
+    }
+  }
+
+  // Encode the window: on this thread, or in chunks on several (`more`: extra piece caches).
+  int encode_window(const std::vector<uint8_t>& win, const std::vector<uint32_t>& cps,
+                    const std::vector<int64_t>& at, bool ascii, PieceCache& cache,
+                    const std::vector<PieceCache*>& more, Output& out) const {
+    std::vector<int64_t> cuts;
+    const int64_t nb = int64_t(win.size());
+    if (!more.empty() && nb >= PARALLEL_MIN_BYTES && t.classes)
+      chunk_cuts(cps, at, win, std::min<int64_t>(int64_t(more.size()) + 1, nb / CHUNK_MIN_BYTES), cuts);
+    if (cuts.empty())
+      return ascii ? eng->encode<uint8_t>(win.data(), nb, true, true, cache, out)
+                   : eng->encode<uint32_t>(cps.data(), int64_t(cps.size()), false, true, cache, out);
+    std::vector<PieceCache*> caches{&cache};
+    caches.insert(caches.end(), more.begin(), more.begin() + int64_t(cuts.size()));
+    std::vector<Output> outs;
+    std::vector<int64_t> nbytes;
+    const int st = ascii ? eng->encode_chunks<uint8_t>(win.data(), nb, true, cuts, caches, true, outs, nbytes)
+                         : eng->encode_chunks<uint32_t>(cps.data(), int64_t(cps.size()), false, cuts, caches, true,
+                                                        outs, nbytes);
+    if (st != OK) return st;
+    int64_t base = 0;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      out.ids.insert(out.ids.end(), outs[i].ids.begin(), outs[i].ids.end());
+      for (int64_t x : outs[i].starts) out.starts.push_back(x + base);
+      base += nbytes[i];
+    }
+    return OK;
+  }
+
   // The first-window splice of replacing bytes [s, e) of T by `data` (see the file comment).
   int edit(const uint8_t* T, int64_t n_old, int64_t s, int64_t e, const uint8_t* data, int64_t n_data,
-           const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, LaneResult& res) const {
+           const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, const std::vector<PieceCache*>& more,
+           LaneResult& res) const {
     const int64_t N = C.N;
     const int64_t delta = n_data - (e - s);
     if (s >= 2 * wl && T[s - 1] < 0x80) {
@@ -218,11 +275,8 @@ class Lane {
     if (!decode_utf8(win.data(), int64_t(win.size()), cps, at)) return res.status = LANE_BAD_UTF8;
     Output out;
     out.want_starts = true;
-    const bool ascii = cps.size() == win.size();  // one byte per character
-    // an ASCII window is its own UTF-8: the engine reads it in place
-    const int enc = ascii ? eng->encode<uint8_t>(win.data(), int64_t(win.size()), true, true, cache, out)
-                         : eng->encode<uint32_t>(cps.data(), int64_t(cps.size()), false, true, cache, out);
-    if (enc != OK) return res.status = LANE_NFC;
+    const bool ascii = cps.size() == win.size();  // one byte per character: the engine reads it in place
+    if (encode_window(win, cps, at, ascii, cache, more, out) != OK) return res.status = LANE_NFC;
     const std::vector<uint32_t>& fresh = out.ids;
     const std::vector<int64_t>& fst = out.starts;  // window-local
     const int64_t nf = int64_t(fresh.size());
