@@ -14,6 +14,7 @@ text; a repair that cannot be certified falls back to full tokenization.
 """
 
 from .errors import (
+    InvalidCacheConfig,
     InvalidEditRange,
     InvalidState,
     InvalidText,
@@ -24,19 +25,24 @@ from .errors import (
     UnsupportedTokenizer,
 )
 from .fullpath import FullPath, FullPathConfig
+from .prefix_cache import CacheResult, PrefixCache, PrefixCacheStats
 from .registry import FrozenTokenizer, Registry, list_tokenizers, load_tokenizer
 from .session import OpResult, RepairPath, Session, SessionStats
 from .store import EndCause, SessionMiss, SessionStore
 
 __all__ = [
+    "CacheResult",
     "EndCause",
     "FrozenTokenizer",
     "FullPath",
     "FullPathConfig",
+    "InvalidCacheConfig",
     "InvalidEditRange",
     "InvalidState",
     "InvalidText",
     "OpResult",
+    "PrefixCache",
+    "PrefixCacheStats",
     "Registry",
     "ReferenceEngineError",
     "RepairPath",

@@ -44,3 +44,7 @@ class ReferenceEngineError(TokTierError, RuntimeError):
     TokTier has no answer where its reference has none: the message names the
     engine's own error.
     """
+
+
+class InvalidCacheConfig(TokTierError, ValueError):
+    """A `PrefixCache` argument out of range (the message names it and the accepted values)."""

@@ -272,6 +272,57 @@ class Session:
         self._nchars = nchars
         self._ascii = data.isascii()
 
+    # -- package-internal: states kept outside a session (`toktier.prefix_cache`) --------------
+    def _parts(self) -> tuple[np.ndarray, np.ndarray | None, tuple[tuple[int, int, int], ...]]:
+        """(ids, token-start checkpoints or None when no splice is provable, NFC spans), views valid
+        until the next op: what `_adopt` needs besides the text to rebuild this state without work."""
+        tiled = self._spliceable and self._tiles
+        return self._ids.view(), (self._starts.checkpoints() if tiled else None), tuple(self._dirty)
+
+    @classmethod
+    def _adopt(cls, tokenizer: FrozenTokenizer, text: bytearray, nchars: int, ascii_only: bool,
+               ids: list[np.ndarray], checkpoints: list[np.ndarray] | None, dirty: tuple[tuple[int, int, int], ...],
+               *, window: int | None = None, full_path: FullPath | None = None, headroom: int = 0) -> "Session":
+        """A session over a state that a session of this tokenizer derived and `_parts` exported,
+        kept unmodified since and handed back in pieces (concatenated here, O(N) memcpy).
+
+        Installed as is: no encode, no tiling check (`from_state` is the checked way in for states
+        from elsewhere).  `checkpoints` None: the token bytes do not tile the text (full path only).
+        Takes ownership of `text`; `headroom` tokens of spare capacity avoid a regrowth copy.
+        """
+        s = cls(tokenizer, window=window, full_path=full_path)
+        n = sum(len(part) for part in ids)
+        s._ids = GrowableU32(capacity=n + headroom)
+        if n:
+            np.concatenate(ids, out=s._ids.buffer[:n])
+        s._ids.n = n
+        if s._spliceable and checkpoints is not None:
+            n_cp = sum(len(part) for part in checkpoints)
+            if n_cp != -(-n // STRIDE):
+                raise InvalidState(f"{n_cp} checkpoints for {n} tokens (expected one per {STRIDE})")
+            s._starts.reserve_for(n + headroom)
+            if n_cp:
+                np.concatenate(checkpoints, out=s._starts.raw()[0][:n_cp])
+            s._starts.set_count(n_cp)
+        else:
+            s._tiles = False
+        s._set_dirty(list(dirty))
+        s._text = text
+        s._nchars = nchars
+        s._ascii = ascii_only
+        return s
+
+    def _raw_start(self, k: int) -> int | None:
+        """Byte offset in the text where token `k` starts (the text's length for k = num_tokens); a
+        start inside an NFC-changed span maps to the span's start.  None when the token bytes do not
+        tile the text (then no token has a known position)."""
+        if not (self._spliceable and self._tiles):
+            return None
+        if k >= self._ids.n:
+            return len(self._text)
+        norm = int(self._starts.starts(self._ids.view(), k, k + 1)[0])
+        return int(self._dmap.to_raw(np.array([norm]), "floor")[0]) if self._dmap else norm
+
     # -- read access --------------------------------------------------------
     @property
     def text(self) -> str:
@@ -322,16 +373,22 @@ class Session:
 
     def sync(self, full_text: str) -> OpResult:
         """Make the session text equal `full_text`; the differing middle becomes an edit."""
-        new = _to_utf8(full_text)
+        return self._sync_utf8(_to_utf8(full_text), len(full_text))
+
+    def _sync_utf8(self, new: bytes, nchars: int, known_prefix: int = 0) -> OpResult:
+        """`sync` to UTF-8 `new` of `nchars` characters.  The caller may vouch that the first
+        `known_prefix` bytes equal the current text's (`prefix_cache` verified them already), which
+        skips comparing them again."""
         old = self._text
         n_old, n_new = len(old), len(new)
         if n_new >= n_old and new.startswith(old):  # the common agent case: an append
-            return self._apply(n_old, n_old, new[n_old:], len(full_text) - self._nchars)
+            return self._apply(n_old, n_old, new[n_old:], nchars - self._nchars)
         m = min(n_old, n_new)
-        a = np.frombuffer(old, dtype=np.uint8, count=m)
-        b = np.frombuffer(new, dtype=np.uint8, count=m)
+        kp = min(max(known_prefix, 0), m)
+        a = np.frombuffer(old, dtype=np.uint8, count=m - kp, offset=kp)
+        b = np.frombuffer(new, dtype=np.uint8, count=m - kp, offset=kp)
         diff = np.flatnonzero(a != b)
-        prefix = int(diff[0]) if len(diff) else m
+        prefix = kp + (int(diff[0]) if len(diff) else m - kp)
         limit = m - prefix
         a_rev = np.frombuffer(old, dtype=np.uint8)[n_old - limit:][::-1]
         b_rev = np.frombuffer(new, dtype=np.uint8)[n_new - limit:][::-1]
@@ -344,7 +401,7 @@ class Session:
             suffix -= 1
         s, e = prefix, n_old - suffix
         middle = new[prefix : n_new - suffix]
-        return self._apply(s, e, middle, len(full_text) - self._nchars)
+        return self._apply(s, e, middle, nchars - self._nchars)
 
     # -- internals ------------------------------------------------------------
     def _char_to_byte(self, start: int, end: int) -> tuple[int, int]:
@@ -443,10 +500,10 @@ class Session:
         T = self._text
         n_old = len(T)
         if (not self._dirty and self._ids.n and tok.engine_label == "native"
-                and not self.full_path.is_parallel(len(data) + 2 * self.window, tok)):
+                and not (self.full_path.gpu is not None and self.full_path.is_parallel(len(data) + 2 * self.window, tok))):
             # The compiled lane does the first window's splice in one call, with the same
-            # certificate; when it declines, the path below runs from scratch.  (Changes the full
-            # path would parallelize, or send to a GPU, go below: their window goes there.)
+            # certificate (a big window in chunks, a thread per core); when it declines, the path
+            # below runs from scratch.  (Changes a GPU could take go below: their window goes there.)
             # It also writes the splice into the buffers when they have room (no Python array work).
             cp_buf, n_cp = self._starts.raw()
             status, k1, k2, q1, q2, nfresh, first_changed, new_n, new_cp, mid = tok.native.edit_commit(
