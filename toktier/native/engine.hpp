@@ -724,8 +724,12 @@ class Engine {
 
   // -- whole texts -------------------------------------------------------------------------------
   // Encode the code points s[0, n) (a str's PEP 393 data: T = uint8_t, uint16_t or uint32_t).
+  // `u8`/`at` (optional, with T = uint32_t): the text's UTF-8 and each character's byte offset in
+  // it (at[n] too; absolute offsets into u8, at[0] need not be 0): a caller that decoded UTF-8
+  // (the repair lane) passes both, and the segments are read in place instead of re-encoded.
   template <class T>
-  int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out) const {
+  int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out,
+             const uint8_t* u8 = nullptr, const int64_t* at = nullptr) const {
     if (sizeof(T) > 1 && !ascii) {  // a lone surrogate has no UTF-8: the references raise on it
       for (int64_t i = 0; i < n; ++i)
         if ((uint32_t(s[i]) & 0xFFFFF800u) == 0xD800u) return SURROGATE;
@@ -759,6 +763,7 @@ class Engine {
     int64_t text_char = 0;
     auto bytes_to = [&](int64_t ci) {  // UTF-8 offset of character ci (ascending calls)
       if (ascii) return ci;
+      if (at) return at[ci] - at[0];
       for (; text_char < ci; ++text_char) {
         uint32_t c = uint32_t(s[text_char]);
         text_byte += c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4;
@@ -770,6 +775,8 @@ class Engine {
       const uint8_t* buf;
       if (direct) {
         buf = reinterpret_cast<const uint8_t*>(s) + a;
+      } else if (at) {
+        buf = u8 + at[a];
       } else {  // the segment's UTF-8 and each character's offset in it, in one pass
         if (size_t(b - a) > seg_cap) {  // uninitialized storage: a resize would zero it first
           seg_cap = size_t(b - a);
@@ -802,8 +809,8 @@ class Engine {
         batch.clear();
       };
       auto piece = [&](int64_t pa, int64_t pb) {
-        uint32_t x = direct ? uint32_t(pa - a) : boff[size_t(pa - a)];
-        uint32_t y = direct ? uint32_t(pb - a) : boff[size_t(pb - a)];
+        uint32_t x = direct ? uint32_t(pa - a) : at ? uint32_t(at[pa] - at[a]) : boff[size_t(pa - a)];
+        uint32_t y = direct ? uint32_t(pb - a) : at ? uint32_t(at[pb] - at[a]) : boff[size_t(pb - a)];
         batch.emplace_back(x, y - x);
         if (batch.size() >= 256) flush();
       };
@@ -828,7 +835,7 @@ class Engine {
   template <class T>
   int encode_chunks(const T* s, int64_t n, bool ascii, const std::vector<int64_t>& cuts,
                     const std::vector<PieceCache*>& caches, bool want_starts, std::vector<Output>& outs,
-                    std::vector<int64_t>& bytes) const {
+                    std::vector<int64_t>& bytes, const uint8_t* u8 = nullptr, const int64_t* at = nullptr) const {
     const size_t k = cuts.size() + 1;
     outs.assign(k, Output());
     bytes.assign(k, 0);
@@ -844,13 +851,15 @@ class Engine {
       }
       outs[i].want_starts = want_starts;
       try {
-        status[i] = encode(c, b - a, chunk_ascii, true, *caches[i], outs[i]);
+        status[i] = encode(c, b - a, chunk_ascii, true, *caches[i], outs[i], u8, at ? at + a : nullptr);
       } catch (...) {  // std::bad_alloc: reported, never thrown across the thread
         failed[i] = 1;
         return;
       }
       int64_t nb = b - a;
-      if (!chunk_ascii) {
+      if (at) {
+        nb = at[b] - at[a];
+      } else if (!chunk_ascii) {
         nb = 0;
         for (int64_t j = 0; j < b - a; ++j) {
           const uint32_t x = uint32_t(c[j]);

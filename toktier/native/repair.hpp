@@ -86,6 +86,7 @@ static inline bool decode_utf8(const uint8_t* b, int64_t n, std::vector<uint32_t
     at.push_back(i);
     i += k;
   }
+  at.push_back(n);  // at[cps.size()]: the end
   return true;
 }
 
@@ -176,6 +177,7 @@ class Lane {
     auto it = std::lower_bound(at.begin(), at.end(), wq);
     if (it == at.end() || *it != wq || it == at.begin()) return false;  // a character start inside the window
     const size_t ci = size_t(it - at.begin());
+    if (ci >= cps.size()) return false;  // the window's end (at[] ends with it)
     const int64_t pi = int64_t((uint32_t(t.group[cps[ci - 1]]) << 4) | t.group[cps[ci]]);
     if (pi >= t.n_pairs || !t.pairs[pi]) return false;
     if (!lit_bytes.empty()) {
@@ -215,14 +217,15 @@ class Lane {
       chunk_cuts(cps, at, win, std::min<int64_t>(int64_t(more.size()) + 1, nb / CHUNK_MIN_BYTES), cuts);
     if (cuts.empty())
       return ascii ? eng->encode<uint8_t>(win.data(), nb, true, true, cache, out)
-                   : eng->encode<uint32_t>(cps.data(), int64_t(cps.size()), false, true, cache, out);
+                   : eng->encode<uint32_t>(cps.data(), int64_t(cps.size()), false, true, cache, out, win.data(),
+                                           at.data());
     std::vector<PieceCache*> caches{&cache};
     caches.insert(caches.end(), more.begin(), more.begin() + int64_t(cuts.size()));
     std::vector<Output> outs;
     std::vector<int64_t> nbytes;
     const int st = ascii ? eng->encode_chunks<uint8_t>(win.data(), nb, true, cuts, caches, true, outs, nbytes)
                          : eng->encode_chunks<uint32_t>(cps.data(), int64_t(cps.size()), false, cuts, caches, true,
-                                                        outs, nbytes);
+                                                        outs, nbytes, win.data(), at.data());
     if (st != OK) return st;
     int64_t base = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
