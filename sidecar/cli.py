@@ -20,6 +20,8 @@ from typing import Sequence
 
 import uvloop
 
+from toktier.errors import InvalidCacheConfig
+
 from .config import DEFAULT_TOKENIZER, ServerConfig, default_socket_path
 from .server import Sidecar
 
@@ -31,6 +33,25 @@ def _size(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+def _bool(text: str) -> bool:
+    """'true'/'false' (also 1/0, yes/no, on/off), for flags that default to on."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+
+
+def _switch(p: argparse.ArgumentParser, flag: str, dest: str, help_on: str, help_off: str) -> None:
+    """``--FLAG`` / ``--FLAG=false`` / ``--no-FLAG`` (the spelling SGLang Model Gateway's flags use,
+    plus a way to turn off what is on by default)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(f"--{flag}", dest=dest, type=_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                       help=help_on)
+    group.add_argument(f"--no-{flag}", dest=dest, action="store_false", default=None, help=help_off)
 
 
 def _group(text: str) -> int:
@@ -87,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a confirmed mismatch, serve that tokenizer by full tokenization until SIGHUP")
     p.add_argument("--no-gpu", dest="gpu", action="store_false", default=None,
                    help="keep every whole-text encode on the CPU (default: the GPU takes large ones when present)")
+    _switch(p, "tokenizer-cache-enable-l0", "tokenizer_cache_enable_l0",
+            "cached encodes look up the whole text (default: on; the answer is verified byte for byte)",
+            "no whole-text lookups")
+    p.add_argument("--tokenizer-cache-l0-max-entries", dest="tokenizer_cache_l0_max_entries", type=int,
+                   help="whole-text keys per cache, LRU (default 4096, ~160 bytes each)")
+    _switch(p, "tokenizer-cache-enable-l1", "tokenizer_cache_enable_l1",
+            "cached encodes reuse the longest cached prefix and tokenize the rest (default: on; exact)",
+            "no prefix lookups")
+    p.add_argument("--tokenizer-cache-l1-max-memory", dest="tokenizer_cache_l1_max_memory", type=_size,
+                   help="bytes each cache (one per tokenizer and namespace) may hold, LRU, besides "
+                        "--memory-budget (e.g. 256M, 1G; default 256M)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -122,7 +154,17 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(f"verify-rate must be in [0, 1], not {rate}")
     if "max_session_chars" in values and "max_frame" not in values:
         values["max_frame"] = 4 * int(values["max_session_chars"]) + 64 * 1024  # type: ignore[arg-type]
-    return ServerConfig(**values)  # type: ignore[arg-type]
+    memory = values.get("tokenizer_cache_l1_max_memory")
+    if isinstance(memory, str):  # TOML may spell it as the flag does: "256M"
+        try:
+            values["tokenizer_cache_l1_max_memory"] = _size(memory)
+        except ValueError:
+            raise SystemExit(f"tokenizer_cache_l1_max_memory must be bytes or a size like 256M or 1G, "
+                             f"not {memory!r}") from None
+    try:
+        return ServerConfig(**values)  # type: ignore[arg-type]
+    except InvalidCacheConfig as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from toktier.errors import InvalidCacheConfig
 from toktier.store import DEFAULT_MEMORY_BUDGET, DEFAULT_TTL
 from toktier_client.paths import default_socket_path as _client_default_socket_path
 from toktier_client.protocol import DEFAULT_MAX_FRAME, DEFAULT_MAX_SESSION_CHARS
@@ -92,6 +93,38 @@ class ServerConfig:
     gpu: bool = True
     #: Seconds to let in-flight requests finish on SIGTERM.
     shutdown_grace: float = 10.0
+    #: Cached stateless encodes (``Encode(cache=True)``: :class:`toktier.PrefixCache`, one per
+    #: tokenizer and namespace, created on first use).  Both layers on by default: their
+    #: answers are the reference's by construction (every match is verified byte for byte, a
+    #: hash collision is a miss), so caching costs memory, never correctness.  Both off: cached
+    #: encodes are answered as plain ones (``layer="off"``).
+    tokenizer_cache_enable_l0: bool = True
+    #: Whole-text keys each cache indexes (LRU; ~160 bytes each, its data is the L1 store's).
+    tokenizer_cache_l0_max_entries: int = 4096
+    tokenizer_cache_enable_l1: bool = True
+    #: Bytes each cache's entry store may hold (text, IDs, index; LRU), the store both layers
+    #: answer from.  Held alongside ``memory_budget`` (sessions), not inside it: the sidecar's
+    #: token state is bounded by ``memory_budget`` + this per cache.
+    tokenizer_cache_l1_max_memory: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("tokenizer_cache_enable_l0", "tokenizer_cache_enable_l1"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidCacheConfig(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if not (self.tokenizer_cache_enable_l0 or self.tokenizer_cache_enable_l1):
+            return  # no cache is ever built: its sizes do not matter
+        for name, minimum in (("tokenizer_cache_l0_max_entries", 1 if self.tokenizer_cache_enable_l0 else 0),
+                              ("tokenizer_cache_l1_max_memory", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidCacheConfig(
+                    f"{name} must be an integer >= {minimum}, not {value!r} (to turn a cache layer off, "
+                    "set tokenizer_cache_enable_l0 / tokenizer_cache_enable_l1 to false)")
+
+    @property
+    def tokenizer_cache_enabled(self) -> bool:
+        """Whether cached encodes use a cache at all (else they are answered as plain encodes)."""
+        return self.tokenizer_cache_enable_l0 or self.tokenizer_cache_enable_l1
 
     def admitted_uids(self) -> frozenset[int]:
         return self.allowed_uids or frozenset({os.getuid()})

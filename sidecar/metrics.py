@@ -10,6 +10,9 @@ labels and meaning, in the README's "Metrics" section.
 * Per-op counters are recorded by :meth:`Metrics.record_op`, which the session
   service calls once per applied op (``SessionService.on_op``); request counts and
   latency by :meth:`Metrics.observe`, once per answered request.
+* The tokenizer caches' counters and bytes (``toktier_tokenizer_cache_*``) are read at scrape
+  time from each :class:`toktier.PrefixCache`'s own ``stats()``, summed per tokenizer name (over
+  namespaces and specials variants), so they cannot drift from the caches either.
 * The ``tokenizer`` label is a loaded tokenizer's name (bounded by what the
   sidecar serves; a name a client asks for that is not loaded is never a label).
 """
@@ -74,6 +77,40 @@ class _StateCollector:
                                   value=s["full_path_chars"])
 
 
+CacheStats = Callable[[], Iterable[tuple[str, toktier.PrefixCacheStats]]]
+
+
+class _CacheCollector:
+    """The tokenizer caches (cached encodes), from their own counters at scrape time."""
+
+    def __init__(self, cache_stats: CacheStats) -> None:
+        self._cache_stats = cache_stats
+
+    def collect(self):
+        lookups = CounterMetricFamily("toktier_tokenizer_cache_lookups", "Tokenizer cache lookups of cached "
+                                      "encodes, by layer and result (hit or miss; L1 is looked up after an L0 "
+                                      "miss)", labels=["tokenizer", "layer", "result"])
+        evictions = CounterMetricFamily("toktier_tokenizer_cache_evictions", "Tokenizer cache evictions: L0 keys "
+                                        "over the entry count, L1 entries over the byte bound",
+                                        labels=["tokenizer", "layer"])
+        reused = CounterMetricFamily("toktier_tokenizer_cache_reused_bytes", "Text bytes whose tokens cache hits "
+                                     "took from the cache", labels=["tokenizer", "layer"])
+        held = GaugeMetricFamily("toktier_tokenizer_cache_bytes", "Bytes the tokenizer caches hold (L0: its keys; "
+                                 "L1: the entry store both layers answer from)", labels=["tokenizer", "layer"])
+        sums: dict[tuple[str, ...], list[int]] = {}  # (family, labels...) -> [value]
+        for name, st in self._cache_stats():
+            for (layer, result), n in st.lookups.items():
+                sums.setdefault(("lookups", name, layer, result), [0])[0] += n
+            for family, values in (("evictions", st.evictions), ("reused", st.reused_bytes),
+                                   ("held", st.bytes_held)):
+                for layer, n in values.items():
+                    sums.setdefault((family, name, layer), [0])[0] += n
+        families = {"lookups": lookups, "evictions": evictions, "reused": reused, "held": held}
+        for (family, *labels), (n,) in sorted(sums.items()):
+            families[family].add_metric(labels, n)
+        yield from families.values()
+
+
 class _InfoCollector:
     """``toktier_build_info``, ``toktier_tokenizer_info`` and, when the shadow verifier is off
     (it owns the gauge when on), ``toktier_shadow_sample_rate 0``."""
@@ -105,11 +142,12 @@ class Metrics:
 
     ``snapshot`` returns the live state (:meth:`SessionService.snapshot`); ``tokenizers`` is the
     server's :class:`toktier.Registry` (names for labels, ``toktier_tokenizer_info``);
-    ``verify_rate`` the configured shadow-verifier rate (the verifier reports it while on).
+    ``verify_rate`` the configured shadow-verifier rate (the verifier reports it while on);
+    ``cache_stats`` the tokenizer caches' (name, stats) pairs (:meth:`SessionService.cache_stats`).
     """
 
     def __init__(self, snapshot: Callable[[], dict], tokenizers: toktier.Registry | None = None,
-                 verify_rate: float = 0.0, *, process: bool = True) -> None:
+                 verify_rate: float = 0.0, *, process: bool = True, cache_stats: CacheStats = list) -> None:
         self.registry = CollectorRegistry()
         self._tokenizers = tokenizers if tokenizers is not None else toktier.Registry()
         r = dict(registry=self.registry)
@@ -139,6 +177,7 @@ class Metrics:
                                  "the core's reason", ["tokenizer", "reason"], **r)
         self.registry.register(_StateCollector(snapshot))
         self.registry.register(_InfoCollector(self._tokenizers, verify_rate))
+        self.registry.register(_CacheCollector(cache_stats))
         if process:
             ProcessCollector(registry=self.registry)
         self._children: dict[tuple, tuple] = {}

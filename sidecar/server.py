@@ -182,7 +182,7 @@ class Sidecar:
         self._instance_lock: InstanceLock | None = None
         self.service = SessionService(config, registry or toktier.Registry(), self.pool)
         self.metrics = Metrics(lambda: self.service.snapshot(len(self.peers)), self.service.registry,
-                               config.verify_rate)
+                               config.verify_rate, cache_stats=self.service.cache_stats)
         self.verifier: Shadow | None = None
         if config.verify_rate > 0:
             # Dispatch samples (`_succeed`: only sampled results build their O(N) sample); the

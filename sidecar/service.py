@@ -15,6 +15,12 @@ over this table.  A handler says:
 * ``plan(svc, call, req)`` (loop thread): validate (size, seq, tokenizer), pin
   the session, and split the request into a :class:`Plan`.
 
+Cached stateless encodes (``Encode(cache=True)``) go through one :class:`toktier.PrefixCache`
+per (namespace, tokenizer), created on the loop thread on first use and kept for the server's
+life (each bounded by ``tokenizer_cache_l1_max_memory``); the cache locks itself, so encodes
+run in the bulk pool like any other big request.  Namespaced as sessions are: a cache's
+``layer`` and ``reused_chars`` would otherwise tell one peer what another peer sent.
+
 Adding an op is one Struct in ``toktier_client.protocol`` and one handler here
 (``@handles(P.Ping) class PingHandler``), plus one client method.
 
@@ -101,6 +107,15 @@ class Outcome:
     tokenizer: str
 
 
+class CachedEncode(NamedTuple):
+    """A cached encode's result: its IDs in a handoff segment and what the cache reused."""
+
+    segment: Segment
+    layer: P.CacheLayer
+    reused_chars: int
+    first_changed: int
+
+
 class Sample(NamedTuple):
     """A served result the shadow verifier may re-check (built only for sampled results)."""
 
@@ -151,6 +166,7 @@ class Caller(Protocol):
     """The connection a request came from, as handlers see it (the server's peer)."""
 
     cid: int
+    namespace: Hashable  # whose sessions and caches it sees (peer uid, or shared)
     alive: bool
     handoffs: dict[str, Segment]  # stateless results not yet Released
     pending_handoffs: int  # stateless encodes admitted and not answered yet (count toward the limit)
@@ -255,6 +271,8 @@ class SessionService:
         self._warned_unspliceable: set[str] = set()  # hashes already warned about (loads run on workers)
         self._warn_lock = threading.Lock()
         self.started = time.monotonic()
+        # (namespace, tokenizer hash) -> its cache; added on the loop thread, read by scrapes.
+        self._caches: dict[tuple[Hashable, str], toktier.PrefixCache] = {}
         self.default_tokenizer = ""
         self.configured: set[str] = set()  # names preloaded from the config: their variants may load
 
@@ -477,6 +495,33 @@ class SessionService:
             ids = encode_full(tok, text)
         return self.pool.handoff(ids)
 
+    def prefix_cache(self, namespace: Hashable, tok: toktier.FrozenTokenizer) -> toktier.PrefixCache | None:
+        """Loop thread: the cache for ``tok`` in ``namespace`` (created on first use), or None
+        when cached encodes are answered plainly: both layers off, or the shadow verifier has
+        put the tokenizer on the full path (a repair would splice)."""
+        cfg = self.config
+        if not cfg.tokenizer_cache_enabled or self.fast_path_disabled(tok.hash):
+            return None
+        key = (namespace, tok.hash)
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = self._caches[key] = toktier.PrefixCache(
+                tok, l0_max_entries=cfg.tokenizer_cache_l0_max_entries,
+                l1_max_bytes=cfg.tokenizer_cache_l1_max_memory, enable_l0=cfg.tokenizer_cache_enable_l0,
+                enable_l1=cfg.tokenizer_cache_enable_l1, window=cfg.window or None, full_path=self.full_path)
+        return cache
+
+    def run_cached_encode(self, cache: toktier.PrefixCache, text: str) -> CachedEncode:
+        """Any thread: ``cache.encode(text)`` (exact: the reference's IDs) into a handoff segment."""
+        if len(text) > self.config.max_session_chars:
+            raise TooLarge(f"text of {len(text)} code points exceeds the limit of {self.config.max_session_chars}")
+        r = cache.encode(text)
+        return CachedEncode(self.pool.handoff(r.ids), r.layer, r.reused_chars, r.first_changed)
+
+    def cache_stats(self) -> list[tuple[str, toktier.PrefixCacheStats]]:
+        """Any thread (metrics scrapes): (tokenizer name, stats) of every cache."""
+        return [(cache.tokenizer.name, cache.stats()) for cache in list(self._caches.values())]
+
     # ------------------------------------------------------------------- misc
     def stats(self, rid: int) -> P.StatsReply:
         st = self.store.stats()
@@ -650,7 +695,8 @@ class CloseHandler(_SessionOp[P.Close]):
 
 @handles(P.Encode)
 class EncodeHandler(Handler[P.Encode]):
-    """Stateless full encode into a one-shot handoff segment the caller must ``Release``."""
+    """Stateless encode into a one-shot handoff segment the caller must ``Release``: a full
+    encode, or with ``cache`` one through the caller's prefix cache for the tokenizer."""
 
     pool = "bulk"
 
@@ -668,23 +714,30 @@ class EncodeHandler(Handler[P.Encode]):
         if held >= limit:
             raise Overloaded(f"{held} encode results not released or still being encoded (limit {limit}); "
                              "send Release after mapping")
+        cache = svc.prefix_cache(caller.namespace, tok) if req.cache else None
         caller.pending_handoffs += 1
 
-        def done(seg: Segment) -> Answer:
+        def done(res: Segment | CachedEncode) -> Answer:
             caller.pending_handoffs -= 1
+            out = res if isinstance(res, CachedEncode) else CachedEncode(res, "off", 0, 0)
+            seg = out.segment
             if not caller.alive:  # the caller left meanwhile: nobody will map or release it
                 seg.unlink()
                 return Answer()
             caller.handoffs[seg.name] = seg
             count = int(seg.header["count"][0])
             reply = P.Ids(id=req.id, segment=seg.name, offset=HEADER_BYTES, count=count, seq=0,
-                          first_changed=0, path="full", tokenizer=tok.hash, handoff=True)
-            return Answer(reply, sample=lambda: Sample(tok.hash, req.text, seg.ids[:count], {"op": "encode"}),
+                          first_changed=out.first_changed, path="full", tokenizer=tok.hash, handoff=True,
+                          layer=out.layer, reused_chars=out.reused_chars)
+            context = {"op": "encode"} if out.layer == "off" else {"op": "encode", "layer": out.layer}
+            return Answer(reply, sample=lambda: Sample(tok.hash, req.text, seg.ids[:count], context),
                           sample_chars=len(req.text))
 
         def failed(_exc: BaseException) -> None:
             caller.pending_handoffs -= 1
 
+        if cache is not None:
+            return Plan(work=lambda: svc.run_cached_encode(cache, req.text), done=done, failed=failed)
         return Plan(work=lambda: svc.run_encode(tok, req.text), done=done, failed=failed)
 
 

@@ -289,8 +289,11 @@ class AsyncClient:
             s.last = await self.run(state.open(self.next_id, text))
         return s
 
-    async def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all") -> Result:
-        return await self.run(core.encode(self.next_id, text, tokenizer, specials, self.server_uid))
+    async def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all", *,
+                     cache: bool = False) -> Result:
+        """Stateless encode; ``cache=True`` answers through the sidecar's prefix cache (see
+        :meth:`toktier_client.Client.encode`)."""
+        return await self.run(core.encode(self.next_id, text, tokenizer, specials, self.server_uid, cache))
 
     async def stats(self) -> P.StatsReply:
         return await self.run(core.request(P.Stats(id=self.next_id()), P.StatsReply))

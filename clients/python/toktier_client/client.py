@@ -241,9 +241,16 @@ class Client:
         s.last = self.run(state.open(self.next_id, text))
         return s
 
-    def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all") -> Result:
-        """Stateless full encode; ``ids`` is a view of a one-shot shared-memory segment."""
-        return self.run(core.encode(self.next_id, text, tokenizer, specials, self.server_uid))
+    def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all", *,
+               cache: bool = False) -> Result:
+        """Stateless encode; ``ids`` is a view of a one-shot shared-memory segment.
+
+        ``cache=True``: the sidecar answers through its exact prefix cache for this tokenizer
+        (L0: the same text; L1: any cached text sharing a prefix, repaired), so a stateless
+        caller that re-sends a growing conversation pays for its new part only.  The IDs are
+        the reference's either way; ``Result.layer`` says which cache answered (``"off"``:
+        none was consulted), ``reused_chars`` and ``first_changed`` what was reused."""
+        return self.run(core.encode(self.next_id, text, tokenizer, specials, self.server_uid, cache))
 
     def stats(self) -> P.StatsReply:
         return self.run(core.request(P.Stats(id=self.next_id()), P.StatsReply))

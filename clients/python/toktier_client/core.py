@@ -235,10 +235,14 @@ def request(msg: P.Request, reply_type: type[R]) -> Flow[R]:
 
 
 def encode(next_id: Callable[[], int], text: str, tokenizer: str, specials: P.Specials,
-           owner_uid: int | None = None) -> Flow[Result]:
-    """Stateless encode: map the one-shot segment (it must be owned by ``owner_uid``, the
-    server's uid), then ``Release`` it (even if mapping failed)."""
-    reply = expect((yield P.Encode(id=next_id(), text=text, tokenizer=tokenizer, specials=specials)), P.Ids)
+           owner_uid: int | None = None, cache: bool = False) -> Flow[Result]:
+    """Stateless encode (through the sidecar's prefix cache when ``cache``): map the one-shot
+    segment (it must be owned by ``owner_uid``, the server's uid), then ``Release`` it (even if
+    mapping failed).  Raises TypeError (nothing is sent) when ``cache`` is not a bool."""
+    if not isinstance(cache, bool):
+        raise TypeError(f"cache must be True or False, not {cache!r}")
+    reply = expect((yield P.Encode(id=next_id(), text=text, tokenizer=tokenizer, specials=specials,
+                                   cache=cache)), P.Ids)
     try:
         mapping = Mapping.open(reply.segment, owner_uid)
     finally:
@@ -258,4 +262,6 @@ def result_from(reply: P.Ids, mapping: Mapping, lease: Lease | None = None) -> R
         segment=reply.segment,
         _mapping=mapping,
         _lease=lease,
+        layer=reply.layer,
+        reused_chars=reply.reused_chars,
     )

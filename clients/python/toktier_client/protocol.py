@@ -69,6 +69,11 @@ MAX_OP_KEY_BYTES = 64
 Specials = Literal["all", "none"]
 #: How the sidecar got a result (``toktier.RepairPath`` values).
 RepairPathName = Literal["noop", "first_window", "widened", "full"]
+#: Which cache answered a stateless encode (``toktier.CacheResult.layer``, plus ``"off"``):
+#: ``"l0"`` the same whole text was cached, ``"l1"`` a cached text sharing a prefix was
+#: repaired, ``"miss"`` the cache was consulted and the text tokenized in full, ``"off"`` no
+#: cache was consulted (not asked for, disabled on the server, or a session result).
+CacheLayer = Literal["l0", "l1", "miss", "off"]
 
 
 class ErrorCode(str, enum.Enum):
@@ -179,12 +184,19 @@ class Sync(_Msg, tag="sync"):
 
 
 class Encode(_Msg, tag="encode"):
-    """Stateless full encode of ``text``; the reply's segment is a one-shot handoff."""
+    """Stateless full encode of ``text``; the reply's segment is a one-shot handoff.
+
+    ``cache``: answer through the sidecar's exact prefix cache for this tokenizer, reusing the
+    tokens of any earlier cached encode sharing a prefix with ``text`` (caches are kept per
+    namespace, as sessions are: the peer's uid, or one shared); the IDs are the same either
+    way, the reply's ``layer`` says which cache answered.  A sidecar
+    that predates the field ignores it (and its reply says ``layer="off"``)."""
 
     id: int
     text: str
     tokenizer: str = ""
     specials: Specials = "all"
+    cache: bool = False
 
 
 class Close(_Msg, tag="close"):
@@ -237,7 +249,12 @@ class Ids(_Msg, tag="ids"):
 
     ``seq`` is the session's op counter after this op (0 for stateless encodes); the
     segment header holds the seq of the state it currently shows.  ``handoff`` marks
-    a one-shot segment the client must ``Release`` after mapping it."""
+    a one-shot segment the client must ``Release`` after mapping it.
+
+    For an encode, ``layer`` says which cache answered (:data:`CacheLayer`), ``first_changed``
+    is the first token that differs from the matched cache entry's (0 on a miss or with no
+    cache; ``count`` on a whole-text hit) and ``reused_chars`` how many characters of the text
+    the cache covered; ``path`` is always ``"full"`` (it describes session repairs)."""
 
     id: int
     segment: str
@@ -249,6 +266,8 @@ class Ids(_Msg, tag="ids"):
     tokenizer: str
     widenings: int = 0
     handoff: bool = False
+    layer: CacheLayer = "off"
+    reused_chars: int = 0
 
 
 class Closed(_Msg, tag="closed"):

@@ -38,6 +38,7 @@ import numpy as np
 import posix_ipc
 
 from .errors import ProtocolError, SegmentAccessDenied, SegmentGone, ServerIdentityError
+from .protocol import CacheLayer
 
 MAGIC = 0x53544B54  # b"TKTS" read as a little-endian u32
 LAYOUT_VERSION = 1
@@ -140,6 +141,13 @@ class Result:
     ``first_changed``: index of the first ID that differs from the previous state
     (an engine can keep its KV cache for ``ids[:first_changed]``).  ``path``: how
     the sidecar got the answer (``noop``, ``first_window``, ``widened``, ``full``).
+
+    A cached encode (``encode(..., cache=True)``) also says which cache answered: ``layer``
+    ``"l0"`` (the same text), ``"l1"`` (a cached text sharing a prefix, repaired), ``"miss"``
+    (tokenized in full, now cached) or ``"off"`` (no cache consulted: not asked for, or
+    disabled on the sidecar); ``reused_chars`` the characters of the text whose tokens came
+    from the cache; ``first_changed`` the first token that differs from the matched entry's
+    (the KV reuse point: 0 on a miss, ``len(ids)`` on an L0 hit).
     """
 
     ids: np.ndarray
@@ -151,6 +159,8 @@ class Result:
     segment: str
     _mapping: Mapping
     _lease: Lease | None = None
+    layer: CacheLayer = "off"
+    reused_chars: int = 0
 
     @property
     def valid(self) -> bool:
