@@ -9,4 +9,5 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test]'
 bash scripts/fetch-test-data.sh
+bash scripts/fetch-chat-templates.sh
 exec .venv/bin/python -m pytest "$@"

