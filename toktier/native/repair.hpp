@@ -62,6 +62,19 @@ struct LaneResult {
   std::vector<uint32_t> mid;  // fresh tokens from the cut to the end
 };
 
+// Whether b[0, n) is all ASCII (then it needs no decoding: character i is byte i).
+static inline bool all_ascii(const uint8_t* b, int64_t n) {
+  uint64_t acc = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    std::memcpy(&x, b + i, 8);
+    acc |= x;
+  }
+  for (; i < n; ++i) acc |= b[i];
+  return (acc & 0x8080808080808080ull) == 0;
+}
+
 static inline bool decode_utf8(const uint8_t* b, int64_t n, std::vector<uint32_t>& cps, std::vector<int64_t>& at) {
   cps.clear();
   at.clear();
@@ -170,15 +183,25 @@ class Lane {
   }
 
   // Whether new-text position q (a cached token start in the window) is a certified boundary.
-  bool certified(int64_t q, int64_t p, const std::vector<uint32_t>& cps, const std::vector<int64_t>& at,
-                 const std::vector<uint8_t>& buf_new, const std::vector<uint8_t>& buf_old, int64_t lo,
-                 int64_t old_q) const {
+  // (`cps`/`at` are empty for an ASCII window: character i is byte i of `win`.)
+  bool certified(int64_t q, int64_t p, const std::vector<uint8_t>& win, const std::vector<uint32_t>& cps,
+                 const std::vector<int64_t>& at, const std::vector<uint8_t>& buf_new,
+                 const std::vector<uint8_t>& buf_old, int64_t lo, int64_t old_q) const {
     const int64_t wq = q - p;
-    auto it = std::lower_bound(at.begin(), at.end(), wq);
-    if (it == at.end() || *it != wq || it == at.begin()) return false;  // a character start inside the window
-    const size_t ci = size_t(it - at.begin());
-    if (ci >= cps.size()) return false;  // the window's end (at[] ends with it)
-    const int64_t pi = int64_t((uint32_t(t.group[cps[ci - 1]]) << 4) | t.group[cps[ci]]);
+    uint32_t x, y;  // the characters before and after q
+    if (cps.empty()) {
+      if (wq <= 0 || wq >= int64_t(win.size())) return false;
+      x = win[size_t(wq - 1)];
+      y = win[size_t(wq)];
+    } else {
+      auto it = std::lower_bound(at.begin(), at.end(), wq);
+      if (it == at.end() || *it != wq || it == at.begin()) return false;  // a character start inside the window
+      const size_t ci = size_t(it - at.begin());
+      if (ci >= cps.size()) return false;  // the window's end (at[] ends with it)
+      x = cps[ci - 1];
+      y = cps[ci];
+    }
+    const int64_t pi = int64_t((uint32_t(t.group[x]) << 4) | t.group[y]);
     if (pi >= t.n_pairs || !t.pairs[pi]) return false;
     if (!lit_bytes.empty()) {
       if (crossed(buf_new.data(), int64_t(buf_new.size()), q - lo)) return false;
@@ -192,15 +215,19 @@ class Lane {
   // character is not whitespace) that no literal occurrence crosses, searched after each target.
   void chunk_cuts(const std::vector<uint32_t>& cps, const std::vector<int64_t>& at, const std::vector<uint8_t>& win,
                   int64_t k, std::vector<int64_t>& cuts) const {
-    const int64_t n = int64_t(cps.size()), nb = int64_t(win.size());
+    const bool ascii = cps.empty();  // then character i is byte i
+    const int64_t nb = int64_t(win.size()), n = ascii ? nb : int64_t(cps.size());
+    auto cp = [&](int64_t i) { return ascii ? uint32_t(win[size_t(i)]) : cps[size_t(i)]; };
     for (int64_t c = 1; c < k; ++c) {
       int64_t q = std::max<int64_t>(n * c / k, cuts.empty() ? 1 : cuts.back() + 1);
       for (const int64_t stop = std::min(n, q + CUT_SEARCH); q < stop; ++q) {
+        const int64_t bq = ascii ? q : at[size_t(q)];
         // the literal check sees every occurrence that could cross q only this far inside
-        if (at[q] < t.max_literal || at[q] > nb - t.max_literal) continue;
-        const int64_t pi = int64_t((uint32_t(t.group[cps[q - 1]]) << 4) | t.group[cps[q]]);
-        if (pi >= t.n_pairs || !t.pairs[pi] || (t.classes[cps[q - 1]] & t.w_bit)) continue;
-        if (!lit_bytes.empty() && crossed(win.data(), nb, at[q])) continue;
+        if (bq < t.max_literal || bq > nb - t.max_literal) continue;
+        const uint32_t x = cp(q - 1), y = cp(q);
+        const int64_t pi = int64_t((uint32_t(t.group[x]) << 4) | t.group[y]);
+        if (pi >= t.n_pairs || !t.pairs[pi] || (t.classes[x] & t.w_bit)) continue;
+        if (!lit_bytes.empty() && crossed(win.data(), nb, bq)) continue;
         cuts.push_back(q);
         break;
       }
@@ -273,12 +300,12 @@ class Lane {
     std::vector<uint8_t> win(T + p, T + s);
     win.insert(win.end(), data, data + n_data);
     win.insert(win.end(), T + e, T + r);
-    std::vector<uint32_t> cps;
+    std::vector<uint32_t> cps;  // empty for an ASCII window (character i is byte i)
     std::vector<int64_t> at;
-    if (!decode_utf8(win.data(), int64_t(win.size()), cps, at)) return res.status = LANE_BAD_UTF8;
+    const bool ascii = all_ascii(win.data(), int64_t(win.size()));  // the engine reads it in place
+    if (!ascii && !decode_utf8(win.data(), int64_t(win.size()), cps, at)) return res.status = LANE_BAD_UTF8;
     Output out;
     out.want_starts = true;
-    const bool ascii = cps.size() == win.size();  // one byte per character: the engine reads it in place
     if (encode_window(win, cps, at, ascii, cache, more, out) != OK) return res.status = LANE_NFC;
     const std::vector<uint32_t>& fresh = out.ids;
     const std::vector<int64_t>& fst = out.starts;  // window-local
@@ -316,7 +343,7 @@ class Lane {
         for (int64_t m = last; m >= rn.c0 + 1; --m) {  // the latest certified start wins
           const int64_t q = cs[m];
           if (q <= p || q >= s) continue;
-          if (!certified(q, p, cps, at, buf_new, buf_old, lo, q)) continue;
+          if (!certified(q, p, win, cps, at, buf_new, buf_old, lo, q)) continue;
           lk = k_lo + m;
           lj = rn.f0 + (m - rn.c0);
           lq = q;
@@ -350,7 +377,7 @@ class Lane {
         for (int64_t m = rn.c0 + 1; m <= last; ++m) {  // the earliest certified start wins
           const int64_t q = cs[m];
           if (q <= mid_end) continue;
-          if (!certified(q, p, cps, at, buf_new, buf_old, lo, q - delta)) continue;
+          if (!certified(q, p, win, cps, at, buf_new, buf_old, lo, q - delta)) continue;
           rk = k_lo + m;
           rj = rn.f0 + (m - rn.c0);
           rq = q;
