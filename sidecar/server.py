@@ -383,7 +383,7 @@ class Sidecar:
             self._fail(peer, req, handler, exc, time.perf_counter())
             return
         key = None if sid is None else SessionKey(peer.namespace, sid)
-        if self.stopping or ((key is None or self.lanes.idle(key)) and self._inline_ready(handler, req)):
+        if self.stopping or ((key is None or self.lanes.idle(key)) and self._inline_ready(handler, req, key)):
             _run_now(self._serve(peer, key, req, handler))  # when stopping: refused at once
         elif key is not None:
             self.lanes.submit(key, lambda: self._queued(peer, key, req, handler))
@@ -392,10 +392,10 @@ class Sidecar:
             task = asyncio.get_running_loop().create_task(self._serve(peer, None, req, handler))
             task.add_done_callback(lambda _t: self._leave())
 
-    def _inline_ready(self, handler: Handler[Any], req: P.Request) -> bool:
-        """Little text, and a tokenizer (if it names one) already loaded: ``_serve`` will not
+    def _inline_ready(self, handler: Handler[Any], req: P.Request, key: SessionKey | None) -> bool:
+        """Little work, and a tokenizer (if it names one) already loaded: ``_serve`` will not
         suspend, so it can run on the loop now."""
-        if handler.pool is not None and handler.text_chars(req) > self.config.inline_chars:
+        if handler.pool is not None and handler.work_chars(self.service, key, req) > self.config.inline_chars:
             return False
         spec = handler.tokenizer(req)
         if spec is None:
@@ -428,7 +428,7 @@ class Sidecar:
             tok = None if spec is None else await self._tokenizer(*spec)
             plan = handler.plan(self.service, Call(peer, key, tok), req)
             try:
-                if handler.pool is None or handler.text_chars(req) <= self.config.inline_chars:
+                if handler.pool is None or handler.work_chars(self.service, key, req) <= self.config.inline_chars:
                     result = plan.work()
                 else:
                     pool = self._pools[handler.pool]

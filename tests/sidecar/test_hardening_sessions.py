@@ -201,14 +201,62 @@ def test_async_client_bursts_queue_instead_of_overloading(start_sidecar, llama3)
 
 
 def test_shadow_verifier_stays_on_its_budget(start_sidecar):
+    # The bucket holds one max_chars sample (1,000 code points) and refills at 10 a second.
     sc = start_sidecar(verify_rate=1.0, verify_max_chars=1000, verify_chars_per_second=10)
     with Client(sc.path) as c:
         c.session("huge", text="long " * 1000)  # 5,000 code points: oversized, never materialized
         for i in range(5):
-            c.session(f"small{i}", text="abcdefgh")  # 8 code points each; 10 per second allowed
+            c.session(f"mid{i}", text="abcdefgh " * 40)  # 360 code points each: two fit the bucket
     v = sc.sidecar.verifier
     assert v.drain(30)
     st = v.stats
     assert st.dropped_by_reason.get("oversized") == 1
     assert st.dropped_by_reason.get("budget", 0) >= 1
-    assert st.checked >= 1 and st.checked + st.dropped == st.offered and st.mismatches == 0
+    assert st.checked >= 2 and st.checked + st.dropped == st.offered and st.mismatches == 0
+
+
+def test_shadow_budget_below_a_sample_still_checks_it(start_sidecar):
+    # A sample larger than one second of budget (but within max_chars) is checked, not silently
+    # dropped forever: the bucket holds a whole max_chars sample.
+    sc = start_sidecar(verify_rate=1.0, verify_max_chars=1000, verify_chars_per_second=10)
+    with Client(sc.path) as c:
+        c.session("one", text="word " * 150)  # 750 code points, 75 seconds of budget
+    v = sc.sidecar.verifier
+    assert v.drain(30)
+    assert v.stats.checked == 1 and v.stats.mismatches == 0
+
+
+def test_a_small_edit_far_from_the_end_of_a_big_session_runs_off_the_loop(start_sidecar, monkeypatch):
+    # An edit moves everything after it (text, IDs, token offsets): its work is the session's tail,
+    # not the few characters it carries, so a mid-session edit of a big session goes to a worker,
+    # while an append (and an edit near the end) stays on the loop.
+    import toktier
+    import toktier.session as ts
+
+    where: list[tuple[str, str]] = []
+    real_edit, real_append = ts.Session.edit, ts.Session.append
+
+    def edit(self, start, end, text):
+        where.append(("edit", threading.current_thread().name))
+        return real_edit(self, start, end, text)
+
+    def append(self, text):
+        where.append(("append", threading.current_thread().name))
+        return real_append(self, text)
+
+    monkeypatch.setattr(ts.Session, "edit", edit)
+    monkeypatch.setattr(ts.Session, "append", append)
+    sc = start_sidecar(inline_chars=1000)
+    text = "def f(x):\n    return x + 1\n" * 200  # 5,400 characters
+    with Client(sc.path) as c:
+        s = c.session("big", text=text)
+        r = s.edit(10, 12, "yy")  # tail ~5,390 > inline_chars
+        text = text[:10] + "yy" + text[12:]
+        s.append(" # end")
+        text += " # end"
+        r = s.edit(len(text) - 3, len(text), "END")  # near the end: little work
+        text = text[:-3] + "END"
+        assert np.array_equal(r.ids, toktier.load_tokenizer("llama3").encode(text))
+    loop = [name for op, name in where if op == "append"][0]
+    edits = [name for op, name in where if op == "edit"]
+    assert edits[0] != loop and edits[1] == loop, where
