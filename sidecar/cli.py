@@ -24,6 +24,7 @@ from toktier.errors import InvalidCacheConfig
 
 from .config import DEFAULT_TOKENIZER, ServerConfig, default_socket_path
 from .server import Sidecar
+from .statedir import InsecureStateDir
 
 
 def _size(text: str) -> int:
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-cache-l1-max-memory", dest="tokenizer_cache_l1_max_memory", type=_size,
                    help="bytes each cache (one per tokenizer and namespace) may hold, LRU, besides "
                         "--memory-budget (e.g. 256M, 1G; default 256M)")
+    p.add_argument("--state-dir", dest="state_dir",
+                   help="keep every session's state in this private directory (created 0700) so that a restart "
+                        "resumes sessions by repair, not by re-encoding (default: off)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -173,7 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args)
-    uvloop.run(Sidecar(config).run())
+    try:
+        sidecar = Sidecar(config)
+    except InsecureStateDir as exc:
+        raise SystemExit(f"toktier serve: {exc}") from None
+    uvloop.run(sidecar.run())
     return 0
 
 

@@ -107,6 +107,14 @@ class ServerConfig:
     #: answer from.  Held alongside ``memory_budget`` (sessions), not inside it: the sidecar's
     #: token state is bounded by ``memory_budget`` + this per cache.
     tokenizer_cache_l1_max_memory: int = 256 * 1024 * 1024
+    #: Directory where sessions outlive the process (``toktier_sidecar.statedir``); None: off.
+    #: Each session's record (text, IDs, certificate, checksummed) is written behind its ops
+    #: and restored by the first op after a restart; created 0700, refused unless private.
+    state_dir: str | None = None
+    #: Seconds a changed session waits before its record is written: a burst of ops writes
+    #: once (each write is O(session): text + 4 bytes/token); what a SIGKILL can lose, which
+    #: the next op then answers as a miss (never with older IDs).
+    state_flush_delay: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("tokenizer_cache_enable_l0", "tokenizer_cache_enable_l1"):

@@ -175,6 +175,9 @@ class Metrics:
                                  tk, **r)
         self.fallbacks = Counter("toktier_full_path_fallbacks", "Ops on an open session re-tokenized in full, by "
                                  "the core's reason", ["tokenizer", "reason"], **r)
+        self.state_restores = Counter("toktier_state_restore", "Session records (--state-dir) an op tried to "
+                                      "restore after a restart, by result: ok, or a miss (corrupt, foreign, stale, "
+                                      "invalid, error) answered like a session that is not open", ["result"], **r)
         self.registry.register(_StateCollector(snapshot))
         self.registry.register(_InfoCollector(self._tokenizers, verify_rate))
         self.registry.register(_CacheCollector(cache_stats))

@@ -27,6 +27,9 @@ moves bytes and decides where work runs, the same way for every request
   thread of their own.
 * At start, before serving, the server takes its instance lock and sweeps the
   segments of its own dead instances (:mod:`toktier_sidecar.shm`).
+* With ``--state-dir`` (:mod:`toktier_sidecar.statedir`) the first op on a session with a
+  record from an earlier run goes through its lane and restores it in a bulk worker first
+  (``_restore``); a record that fails a check is counted and removed, and the op misses.
 
 Run it with ``uvloop.run(Sidecar(config).run())`` (see :mod:`toktier_sidecar.cli`).
 """
@@ -56,6 +59,7 @@ from .metrics import Metrics
 from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, SessionKey, SessionService
 from .shadow import Shadow, ShadowConfig
 from .shm import ArenaPool, InstanceLock, Segment, sweep_stale
+from .statedir import BUSY, Snapshot, StateDir, restore_result
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +202,11 @@ class Sidecar:
             self.service.on_tokenizer_loaded = self.verifier.prepare
         self.service.server_counts = self._counts
         self.service.on_op = self.metrics.record_op
+        self.state: StateDir | None = None
+        if config.state_dir is not None:  # checked here: a bad directory fails before anything starts
+            self.state = StateDir(config.state_dir, ttl=config.session_ttl, flush_delay=config.state_flush_delay)
+            self.state.snapshot = self._state_snapshot
+            self.service.state = self.state
         self.install_signals = install_signals
         self.lanes = Lanes()
         self.peers: dict[int, _Peer] = {}
@@ -241,6 +250,8 @@ class Sidecar:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="toktier-load")
         self._pools = {"bulk": self._bulk, "repair": self._repair}
         await loop.run_in_executor(self._loader, self.service.preload)
+        if self.state is not None:
+            self.state.scan()
         self.welcome = P.Welcome(
             version=P.PROTOCOL_VERSION, server=f"toktier-sidecar/{toktier.__version__}", max_frame=cfg.max_frame,
             max_session_chars=cfg.max_session_chars, max_inflight=cfg.max_inflight,
@@ -300,6 +311,11 @@ class Sidecar:
         finally:  # whatever failed above, leave nothing behind in /dev/shm or on disk
             for peer in list(self.peers.values()):
                 self._drop_handoffs(peer)
+            if self.state is not None:  # before the sessions end: their pending changes are written
+                try:
+                    self.state.close()
+                except Exception:
+                    log.exception("writing session records at shutdown failed")
             self.service.shutdown()
             if self._instance_lock is not None:  # after the segments are gone: nothing left to sweep
                 self._instance_lock.release()
@@ -357,6 +373,10 @@ class Sidecar:
                 continue
             if n:
                 log.info("ended %d idle sessions (TTL)", n)
+            if self.state is not None:
+                n = self.state.expire()
+                if n:
+                    log.info("removed %d session records not restored within the TTL", n)
 
     def _enter(self) -> None:
         self._busy += 1
@@ -397,6 +417,8 @@ class Sidecar:
         suspend, so it can run on the loop now."""
         if handler.pool is not None and handler.work_chars(self.service, key, req) > self.config.inline_chars:
             return False
+        if key is not None and self._restorable(key):
+            return False  # the record is read and certified in a worker first
         spec = handler.tokenizer(req)
         if spec is None:
             return True
@@ -426,6 +448,8 @@ class Sidecar:
                 raise ShuttingDown("the sidecar is shutting down")
             spec = handler.tokenizer(req)
             tok = None if spec is None else await self._tokenizer(*spec)
+            if key is not None and self._restorable(key):
+                await self._restore(key, req)
             plan = handler.plan(self.service, Call(peer, key, tok), req)
             try:
                 if handler.pool is None or handler.work_chars(self.service, key, req) <= self.config.inline_chars:
@@ -458,6 +482,51 @@ class Sidecar:
                 self.verifier.offer(answer.sample, answer.sample_chars)
             except Exception:  # the reply is sent: a verifier failure must not become a second answer
                 log.exception("shadow verifier offer failed")
+
+    # ------------------------------------------------------------ state dir
+    def _restorable(self, key: SessionKey) -> bool:
+        """A record of an earlier run waits for this session, and it is not open here."""
+        return (self.state is not None and bool(self.state.index) and self.service.store.peek(key) is None
+                and self.state.indexed(key))
+
+    async def _restore(self, key: SessionKey, req: P.Request) -> None:
+        """In the session's lane, before its first op after a restart: read, check and certify
+        its record in a worker (no encode) and open the session from it.  A record that fails
+        any check is counted, removed and treated as absent: the op then misses as it would
+        without a state dir.  A Close forgets the record itself; a recovery re-create
+        (``create_only``) replaces it."""
+        st = self.state
+        assert st is not None
+        if isinstance(req, P.Close):
+            return
+        path = st.claim(key)
+        if path is None:
+            return
+        if isinstance(req, P.Open) and req.create_only:
+            st.drop(path)
+            return
+        expect = getattr(req, "expect_seq", -1)
+        try:
+            slot = await asyncio.get_running_loop().run_in_executor(
+                self._pools["bulk"], lambda: self.service.run_restore(StateDir.load(path, key), expect))
+        except Exception as exc:
+            result = restore_result(exc)
+            self.metrics.state_restores.labels(result).inc()
+            st.drop(path)
+            if result == "error":
+                log.error("restoring session %r failed", key.session[:64], exc_info=exc)
+            else:
+                log.warning("session record of %r not used (%s): %s", key.session[:64], result, exc)
+            return
+        self.service.add(key, slot)
+        self.metrics.state_restores.labels("ok").inc()
+        log.debug("session %r restored at seq %d (%d tokens)", key.session[:64], slot.seq, slot.session.num_tokens)
+
+    def _state_snapshot(self, key: SessionKey) -> Snapshot | str | None:
+        """The state dir's snapshot hook: BUSY while an op on the session runs or waits."""
+        if not self.lanes.idle(key):
+            return BUSY
+        return self.service.state_snapshot(key)
 
     def reenable_fast_paths(self) -> None:
         """Operator action (SIGHUP): re-enable every tokenizer the verifier disabled."""

@@ -21,6 +21,11 @@ life (each bounded by ``tokenizer_cache_l1_max_memory``); the cache locks itself
 run in the bulk pool like any other big request.  Namespaced as sessions are: a cache's
 ``layer`` and ``reused_chars`` would otherwise tell one peer what another peer sent.
 
+With ``--state-dir`` the service tells its :class:`~toktier_sidecar.statedir.StateDir` of every
+change and end (``changed``/``_ended``; records are written behind), copies a session's state
+for it (``state_snapshot``), and opens a session from a restored record (``run_restore``:
+``Session.from_state`` under the record's certificate, no encode); the server decides when.
+
 Adding an op is one Struct in ``toktier_client.protocol`` and one handler here
 (``@handles(P.Ping) class PingHandler``), plus one client method.
 
@@ -50,6 +55,7 @@ import numpy as np
 
 import toktier
 from toktier.fullpath import encode_full
+from toktier.persist import ForeignRecord, SessionRecord, restore_session
 from toktier.store import EndCause, SessionStore
 from toktier_client import protocol as P
 from toktier_client.shm import HEADER_BYTES, RETIRED_SEQ
@@ -57,6 +63,7 @@ from toktier_client.shm import HEADER_BYTES, RETIRED_SEQ
 from .config import ServerConfig
 from .errors import BadRequest, Overloaded, ResourceExhausted, SessionConflict, TokenizerMismatch, TooLarge, code_for
 from .shm import ArenaPool, Segment, SessionArena
+from .statedir import Snapshot, StaleRecord, StateDir
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +287,8 @@ class SessionService:
         self._caches: dict[tuple[Hashable, str], toktier.PrefixCache] = {}
         self.default_tokenizer = ""
         self.configured: set[str] = set()  # names preloaded from the config: their variants may load
+        # Set by the server with --state-dir: told of every change and end (write-behind records).
+        self.state: StateDir | None = None
 
     # ------------------------------------------------------------- tokenizers
     def preload(self) -> None:
@@ -339,6 +348,7 @@ class SessionService:
         def done(out: Outcome) -> Answer:
             self.finish(key, slot)
             slot.last_op_key, slot.last_out = op_key, out
+            self.changed(key)
             return self.answer(key, rid, out)
 
         def failed(exc: BaseException) -> None:
@@ -449,6 +459,60 @@ class SessionService:
         """Loop thread: register a created session (may evict others)."""
         slot.overhead = SESSION_OVERHEAD_BYTES + 2 * len(key.session.encode("utf-8", "surrogatepass"))
         self.store.add(key, slot, slot.session.nbytes + slot.overhead)
+
+    # ------------------------------------------------------ state that outlives the process
+    def changed(self, key: SessionKey) -> None:
+        """Loop thread: an op changed the session (its record is written behind)."""
+        if self.state is not None:
+            self.state.changed(key)
+
+    def forget(self, key: SessionKey) -> bool:
+        """Loop thread: drop the record of a session not open here (a Close after a restart);
+        True if there was one."""
+        return self.state is not None and self.state.indexed(key) and self.state.ended(key)
+
+    def state_snapshot(self, key: SessionKey) -> Snapshot | None:
+        """Loop thread, no op running on the session: a copy of its state to write (O(N)
+        memcpy); None when it is gone or bound to its connection (it ends with it anyway)."""
+        slot = self.store.peek(key)
+        if slot is None or slot.bound_to is not None:
+            return None
+        s = slot.session
+        return Snapshot(slot.tokenizer, key.namespace, key.session, slot.seq, s.window, s.text, s.ids.copy(),
+                        slot.last_op_key)
+
+    def run_restore(self, rec: SessionRecord, expect_seq: int) -> Slot:
+        """Any thread: a slot over a record's state, certified without an encode (``from_state``:
+        O(N) check).  Raises StaleRecord when the caller has seen a later ``seq`` (the record
+        missed ops a crash lost: a miss, so the caller re-sends its text; an earlier ``seq`` is
+        the op's conflict to raise, as without a restart), ForeignRecord / UnknownTokenizer /
+        InvalidState when unusable."""
+        if expect_seq > rec.seq:
+            raise StaleRecord(f"record of session {rec.session[:64]!r} is at seq {rec.seq}, the client at {expect_seq}")
+        if len(rec.text) > 4 * self.config.max_session_chars:
+            raise ForeignRecord("record text exceeds this server's max_session_chars")
+        try:
+            tok = self.registry.get(rec.tokenizer_hash)
+        except toktier.UnknownTokenizer:
+            tok = self.find_tokenizer(rec.tokenizer_name, cast(P.Specials, rec.specials))
+            if tok is None:
+                tok = self.load_tokenizer(rec.tokenizer_name, cast(P.Specials, rec.specials))
+        arena = self.pool.session_arena()
+        try:
+            session = restore_session(tok, rec, window=rec.window or None, allocator=arena.allocate,
+                                      full_path=self.full_path)
+            slot = Slot(session, arena, tok, seq=rec.seq)
+            seg = self._ids_segment(slot, session.ids, 0)
+            seg.publish(slot.seq, session.num_tokens)
+            slot.published = seg
+            if rec.op_key:  # a re-send of the recorded op gets its state again, reported conservatively
+                slot.last_op_key = rec.op_key
+                slot.last_out = Outcome(seg, session.num_tokens, slot.seq, 0, toktier.RepairPath.FULL.value, 0,
+                                        tok.hash)
+            return slot
+        except BaseException:
+            arena.release()
+            raise
 
     def bind(self, key: SessionKey, caller: Caller) -> None:
         """Loop thread: the session ends when ``caller``'s connection does."""
@@ -563,6 +627,8 @@ class SessionService:
         if slot.published is not None:  # clients still viewing it learn that it is stale
             _retire(slot.published)
         slot.arena.release()
+        if self.state is not None and cause is not EndCause.SHUTDOWN:  # shutdown keeps records for the next run
+            self.state.ended(cast(SessionKey, key))
         if cause is not EndCause.CLOSED:
             log.debug("session %r ended: %s", key, cause.value)
 
@@ -616,6 +682,7 @@ class OpenHandler(_SessionOp[P.Open]):
                 new_slot, out = res
                 new_slot.last_op_key, new_slot.last_out = req.op_key, out
                 svc.add(key, new_slot)
+                svc.changed(key)
                 return svc.answer(key, req.id, out)
             plan = Plan(work=lambda: svc.run_create(tok, req), done=created)
         else:
@@ -700,7 +767,7 @@ class CloseHandler(_SessionOp[P.Close]):
 
     def plan(self, svc: SessionService, call: Call, req: P.Close) -> Plan:
         assert call.key is not None
-        existed = svc.close(call.key)
+        existed = svc.close(call.key) or svc.forget(call.key)  # forget: a record not restored yet
         call.caller.bound.discard(call.key)
         return Plan.answer(P.Closed(id=req.id, existed=existed))
 
