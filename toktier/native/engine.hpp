@@ -870,7 +870,13 @@ class Engine {
     };
     std::vector<std::thread> threads;
     threads.reserve(k - 1);
-    for (size_t i = 1; i < k; ++i) threads.emplace_back(work, i);
+    for (size_t i = 1; i < k; ++i) {
+      try {
+        threads.emplace_back(work, i);
+      } catch (...) {  // no thread to be had (std::system_error): this one encodes the chunk
+        work(i);
+      }
+    }
     work(0);
     for (std::thread& th : threads) th.join();
     for (size_t i = 0; i < k; ++i)
