@@ -239,18 +239,28 @@ class Session:
         >>> t.append("!").ids.tolist() == tok.encode("hello world!").tolist()
         True
         """
-        data = _to_utf8(text)
+        return cls._from_state_utf8(tokenizer, _to_utf8(text), len(text), ids, certificate=certificate, window=window,
+                                    allocator=allocator, full_path=full_path, text=text)
+
+    @classmethod
+    def _from_state_utf8(cls, tokenizer: FrozenTokenizer, data: bytes, nchars: int, ids: np.ndarray, *,
+                         certificate: str | None = None, window: int | None = None, allocator: Allocator | None = None,
+                         full_path: FullPath | None = None, text: str | None = None) -> "Session":
+        """`from_state` of valid UTF-8 `data` holding `nchars` characters (`text`: the same as a str,
+        when the caller has it; decoded only if the state must be verified by encoding)."""
         if len(data) >= MAX_TEXT_BYTES:
             raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
         ids = _checked_ids(ids, len(tokenizer.table))
         s = cls(tokenizer, window=window, allocator=allocator, full_path=full_path)
         certified = certificate is not None and certificate == state_certificate(tokenizer, data, ids)
         if certified:
-            s._prime(data, len(text), ids)
+            s._prime(data, nchars, ids)
             if not s._spliceable or s._tiles:
                 return s
             # The bytes cannot be shown to tile (too many NFC spans, an unproven ambiguous id):
             # not necessarily corrupt, so verify the way an uncertified state is verified.
+        if text is None:
+            text = data.decode("utf-8")
         ref = s.full_path.encode(tokenizer, text)
         if not np.array_equal(ref, ids):
             m = min(len(ref), len(ids))
@@ -258,7 +268,7 @@ class Session:
             at = int(diff[0]) if len(diff) else m
             raise InvalidState(f"the IDs are not the reference encoding of the text (first difference at token {at}"
                                f" of {len(ids)}; the reference has {len(ref)})")
-        s._prime(data, len(text), ref)
+        s._prime(data, nchars, ref)
         return s
 
     def _prime(self, data: bytes, nchars: int, ids: np.ndarray) -> None:
