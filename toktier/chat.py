@@ -171,18 +171,9 @@ class ChatTemplate:
         reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(kwargs)
         if reserved:
             raise InvalidChatInput(f"{sorted(reserved)} are set by render itself; pass them as its own arguments")
-        if tools is not None:
-            for tool in tools:
-                if not isinstance(tool, Mapping):
-                    raise InvalidChatInput("tools are JSON schemas (dicts); convert a Python function first, e.g. "
-                                           f"with transformers.utils.get_json_schema; got {type(tool).__name__}")
-            tools = _plain(list(tools))
-        if documents is not None:
-            for doc in documents:
-                if not isinstance(doc, Mapping):
-                    raise InvalidChatInput("documents are dicts (usually with 'title' and 'text' keys); "
-                                           f"got {type(doc).__name__}")
-            documents = _plain(list(documents))
+        tools = _mappings(tools, "tools are JSON schemas (dicts); convert a Python function first, e.g. "
+                                 "with transformers.utils.get_json_schema")
+        documents = _mappings(documents, "documents are dicts (usually with 'title' and 'text' keys)")
         variables = _plain({**self.special_tokens, **kwargs})  # a keyword overrides a special token
         chat = _alias_reasoning(_plain(chat))
         continued = None
@@ -332,6 +323,16 @@ def _prepare_messages(messages: Messages) -> list[dict]:
         chat.append({k: v for k, v in message.items() if v is not None})
     return chat
 
+
+
+def _mappings(items: Sequence[Mapping[str, Any]] | None, what: str) -> list[Any] | None:
+    """`items` as plain JSON-like dicts (None stays None); `InvalidChatInput` saying `what` they must be."""
+    if items is None:
+        return None
+    for item in items:
+        if not isinstance(item, Mapping):
+            raise InvalidChatInput(f"{what}; got {type(item).__name__}")
+    return _plain(list(items))
 
 def _plain(value: Any) -> Any:
     # Everything the sandboxed template sees is rebuilt from plain JSON types: subclasses and

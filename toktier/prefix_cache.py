@@ -64,7 +64,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -200,16 +200,11 @@ class _Entry:
         return self.cp_tail is not None
 
 
-def _text_path(leaf: _TextNode | None) -> list[_TextNode]:
-    out = []
-    while leaf is not None:
-        out.append(leaf)
-        leaf = leaf.parent
-    out.reverse()
-    return out
+_Node = TypeVar("_Node", "_TextNode", "_IdNode")
 
 
-def _id_path(leaf: _IdNode | None) -> list[_IdNode]:
+def _path(leaf: _Node | None) -> list[_Node]:
+    """The nodes from the root down to `leaf` (text or id tree alike: each node knows its parent)."""
     out = []
     while leaf is not None:
         out.append(leaf)
@@ -293,7 +288,7 @@ class PrefixCache:
                     entry.pins += 1
                     self._touch(entry)
         if hit is not None:
-            ids = self._materialize_ids(_id_path(entry.id_leaf), entry)
+            ids = self._materialize_ids(_path(entry.id_leaf), entry)
             return CacheResult(ids, "l0", nchars, len(ids))
         if match is None:
             session = Session(self.tokenizer, text, window=self._window, full_path=self._full_path)
@@ -302,13 +297,13 @@ class PrefixCache:
             return CacheResult(ids, "miss", 0, 0)
         entry, common, path = match
         try:
-            id_path = _id_path(entry.id_leaf)
+            id_path = _path(entry.id_leaf)
             if common == len(data) == entry.nbytes:  # the same text, found by prefix
                 ids = self._materialize_ids(id_path, entry)
                 with self._lock:
                     self._reused["l1"] += len(data)
                 return CacheResult(ids, "l1", nchars, len(ids))
-            session = self._session_of(entry, _text_path(entry.text_leaf), id_path)
+            session = self._session_of(entry, _path(entry.text_leaf), id_path)
             op = session._sync_utf8(data, nchars, common)
             b = session._raw_start(op.first_changed) or 0
             reused = b if text.isascii() else self._chars_before(path, data, b)
@@ -357,7 +352,7 @@ class PrefixCache:
 
     @staticmethod
     def _same_text(entry: _Entry, data: bytes) -> bool:
-        path = _text_path(entry.text_leaf)
+        path = _path(entry.text_leaf)
         B = BLOCK_BYTES
         if not all(data.startswith(node.data, i * B) for i, node in enumerate(path)):
             return False
@@ -377,7 +372,7 @@ class PrefixCache:
         if lo == 0:
             return None
         node = nodes[anchors[lo - 1]]
-        path = _text_path(node)
+        path = _path(node)
         B = BLOCK_BYTES
         if not all(data.startswith(n.data, i * B) for i, n in enumerate(path)):
             self._collisions += 1

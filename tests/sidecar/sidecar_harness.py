@@ -11,6 +11,7 @@ import asyncio
 import os
 import secrets
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -134,3 +135,13 @@ def start_sidecar(tmp_path, registry):
 @pytest.fixture
 def sidecar(start_sidecar) -> SidecarThread:
     return start_sidecar()
+
+
+def wait_until(cond, timeout: float = 20.0) -> bool:
+    """Poll `cond` every 20 ms until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

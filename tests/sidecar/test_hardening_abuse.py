@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import msgspec
 import numpy as np
@@ -16,19 +15,10 @@ import pytest
 from toktier_client import BadRequest, Client, InternalError, Overloaded, UnknownTokenizer
 from toktier_client import protocol as P
 from toktier_sidecar import service as service_mod
-from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)
+from sidecar_harness import llama3, registry, sidecar, start_sidecar, wait_until  # noqa: F401  (fixtures)
 from sidecar_raw import Bystander, Raw
 
 E = P.ErrorCode
-
-
-def wait_until(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_silent_connections_are_closed_and_free_their_slots(start_sidecar, llama3):

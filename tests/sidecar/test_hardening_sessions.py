@@ -17,17 +17,8 @@ from toktier_client import AsyncClient, Client, Overloaded, SegmentGone, Session
 from toktier_client import protocol as P
 from toktier_client._session import SessionState
 from toktier_sidecar.service import SessionKey
-from sidecar_harness import llama3, registry, sidecar, shm_names, start_sidecar  # noqa: F401  (fixtures)
+from sidecar_harness import llama3, registry, sidecar, shm_names, start_sidecar, wait_until  # noqa: F401  (fixtures)
 from sidecar_raw import Raw
-
-
-def wait_until(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 # ------------------------------------------------------------------ bound sessions
