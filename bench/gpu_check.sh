@@ -13,8 +13,10 @@
 #   4. tests/test_gpu_device.py (-m gpu): IDs and spans == the reference for every family,
 #      on real multilingual text (1M characters too), literals, adversarial text;
 #   5. bench/gpu_bench.py: single-request latency at 1K, 100K, 1M, 4M characters and bulk GB/s;
-#   6. bench/gpu_profile.py (only when GPU_CHECK_STEPS names "profile"): time per stage and kernel.
-# GPU_CHECK_STEPS (default "tests bench") picks steps 4-6.
+#   6. bench/gpu_profile.py (only when GPU_CHECK_STEPS names "profile"): time per stage and kernel;
+#   7. bench/gpu_session_start.py (only when GPU_CHECK_STEPS names "starts"): session starts, the GPU
+#      path vs TokTier's CPU path on all cores vs fastokens and gigatoken (carried wheels).
+# GPU_CHECK_STEPS (default "tests bench") picks steps 4-7.
 # Results also land in $OUT (log, gpu_bench.json) when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +76,7 @@ echo "TOKTIER_CUBIN=$TOKTIER_CUBIN"
 [[ -n "$TOKTIER_CUBIN" ]] || { echo "cubin build failed"; exit 4; }
 
 STEPS=${GPU_CHECK_STEPS:-tests bench}
-TEST_RC=0; BENCH_RC=0; PROF_RC=0
+TEST_RC=0; BENCH_RC=0; PROF_RC=0; START_RC=0
 if [[ " $STEPS " == *" tests "* ]]; then
 step "exactness suite (tests/test_gpu_device.py)"
 timeout 240 $PY -m pytest tests/test_gpu_device.py -m gpu -q -rfE --maxfail=25 --durations=8 -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_tests.log"
@@ -91,5 +93,13 @@ OUT=$OUTDIR timeout 150 $PY bench/gpu_profile.py 2>&1 | tee "$OUTDIR/gpu_profile
 PROF_RC=${PIPESTATUS[0]}
 fi
 
-step "done: tests rc=$TEST_RC bench rc=$BENCH_RC profile rc=$PROF_RC"
-[[ $TEST_RC -eq 0 && $BENCH_RC -eq 0 && $PROF_RC -eq 0 ]]
+if [[ " $STEPS " == *" starts "* ]]; then
+step "session starts: GPU vs CPU path vs peers (bench/gpu_session_start.py)"
+$PY -c "import toktier.native._engine" 2>/dev/null && echo "native engine: built for this Python" \
+  || echo "native engine: not built for this Python (carry toktier/native/_engine.cpython-312-*.so)"
+OUT=$OUTDIR timeout 240 $PY bench/gpu_session_start.py 2>&1 | tee "$OUTDIR/gpu_session_start.log"
+START_RC=${PIPESTATUS[0]}
+fi
+
+step "done: tests rc=$TEST_RC bench rc=$BENCH_RC profile rc=$PROF_RC starts rc=$START_RC"
+[[ $TEST_RC -eq 0 && $BENCH_RC -eq 0 && $PROF_RC -eq 0 && $START_RC -eq 0 ]]

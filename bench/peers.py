@@ -253,11 +253,12 @@ def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_ap
         {k: len(v) for k, v in times.items()}, paths, bad
 
 
-def session_starts(tok, size, stateless, peer, reps=3):
+def session_starts(tok, size, stateless, peer, reps=3, extra=None):
     """Median of ``reps`` session starts, each on a *different* context text (seeds 11, 12, ...), so
     no whole-input cache can answer.  Stateless peers use one warm object (built and used on an
     unrelated text before, construction untimed), as a server would; a new session's text is new
-    to it.  The peer's rows are timed inside its process."""
+    to it.  The peer's rows are timed inside its process.  ``extra`` ({label: fn(text) -> ids})
+    adds rows timed the same way (bench/gpu_session_start.py adds the GPU path)."""
     ctxs = [HDR.format(role="user") + large_text(size, seed=11 + j, kind="code") + EOT for j in range(reps)]
     refs = [tok.encode(c) for c in ctxs]
     warm_text = large_text(50_000, seed=99, kind="english")
@@ -275,6 +276,8 @@ def session_starts(tok, size, stateless, peer, reps=3):
 
     run("toktier Session(tok, ctx) (full path)", lambda c: Session(tok, c).ids)
     run("toktier encode_full", lambda c: encode_full(tok, c))
+    for label, fn in (extra or {}).items():
+        run(label, fn)
     for k, f in stateless.items():
         def fresh(c, f=f):
             # untimed here: a fresh object, its lazy set-up done on an unrelated text
