@@ -21,6 +21,7 @@ import pytest
 from adversarial import ATOMS
 from conftest import ALL_TOKENIZERS, get_tokenizer
 from toktier.tools.corpus import chat_wrap, samples
+import toktier
 from toktier.fullpath import FullPath
 
 gpu_emu = pytest.importorskip("gpu_emu")
@@ -121,6 +122,11 @@ def test_emulated_router_self_check_and_route(drv):
     text = _real_mix(120)
     assert np.array_equal(FullPath(gpu=r).encode(tok, text), tok.encode(text)) and r.last_route == "gpu"
     assert np.array_equal(FullPath(gpu=r).encode(tok, "tiny"), tok.encode("tiny")) and r.last_route == "cpu"
+    # a session start hands over the UTF-8 it holds: the driver takes bytes, and spans stay on the device
+    s = toktier.Session(tok, text, full_path=FullPath(gpu=r))
+    assert r.last_route == "gpu" and np.array_equal(s.ids, tok.encode(text)) and not text.isascii()
+    ids, spans = drv.encode(tok, text.encode("utf-8"), with_spans=False)
+    assert spans is None and np.array_equal(ids, tok.encode(text))
 
 
 @pytest.mark.parametrize("op", ["tt_scan_max", "tt_scan_min_rev", "tt_scan_sum"])

@@ -106,7 +106,8 @@ class _HostGpu:
     def __init__(self) -> None:
         self.calls = 0
 
-    def try_encode(self, tok, text):
+    def try_encode(self, tok, text, utf8=None):
+        assert utf8 is None or bytes(utf8) == text.encode("utf-8")  # a session hands over its own UTF-8
         self.calls += 1
         return bpe_model.encode(tok, text) if len(text) > 1000 else None
 

@@ -59,7 +59,7 @@ class FullPathConfig:
 class GpuEncoder(Protocol):
     """What a `FullPath` asks of a GPU: IDs for `text`, or None to keep it on the CPU."""
 
-    def try_encode(self, tok: FrozenTokenizer, text: str) -> np.ndarray | None: ...
+    def try_encode(self, tok: FrozenTokenizer, text: str, utf8: bytes | None = None) -> np.ndarray | None: ...
 
 
 @dataclass(frozen=True)
@@ -149,9 +149,10 @@ class FullPath:
         self._lock = threading.Lock()
         self._counts = {"encodes": 0, "gpu": 0, "chunked": 0, "chars": 0}
 
-    def encode(self, tok: FrozenTokenizer, text: str) -> np.ndarray:
-        """Exactly `tok.encode(text)`."""
-        ids = self.gpu.try_encode(tok, text) if self.gpu is not None else None
+    def encode(self, tok: FrozenTokenizer, text: str, utf8: bytes | None = None) -> np.ndarray:
+        """Exactly `tok.encode(text)`; `utf8` is `text`'s UTF-8 when the caller holds it (the GPU
+        takes bytes: encoding a large str again would cost more than its kernels)."""
+        ids = self.gpu.try_encode(tok, text, utf8) if self.gpu is not None else None
         on_gpu = ids is not None
         chunked = False
         if ids is None:

@@ -451,7 +451,7 @@ class Session:
                 case_table_of(tok)
         if text is None:
             text = new_text.decode("utf-8")
-        ids = self.full_path.encode(tok, text)  # GPU or parallel chunks when large
+        ids = self.full_path.encode(tok, text, new_text)  # GPU or parallel chunks when large
         old = self._ids.view()
         m = min(len(old), len(ids))
         diff = np.flatnonzero(old[:m] != ids[:m])

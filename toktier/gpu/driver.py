@@ -506,25 +506,30 @@ class GpuDriver:
         return ge
 
     # -- requests ------------------------------------------------------------------------
-    def encode(self, tok, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids uint32, byte start of each token int64) == the reference encode of `text`."""
-        raw = text.encode("utf-8")
+    def encode(self, tok, text: str | bytes, *, with_spans: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """(ids uint32, byte start of each token int64) == the reference encode of `text`.
+
+        `text` may be given as its UTF-8 bytes (a session holds them already: re-encoding a 4M-
+        character str costs ~10 ms, several times the kernels).  Without `with_spans` the spans
+        stay on the device and None comes back (a session start needs only the ids)."""
+        raw = text if isinstance(text, (bytes, bytearray, memoryview)) else text.encode("utf-8")
         if not raw:
-            return np.zeros(0, np.uint32), np.zeros(0, np.int64)
+            return np.zeros(0, np.uint32), (np.zeros(0, np.int64) if with_spans else None)
         with self._lock:
             self.backend.enter()
             try:
-                out = self._encode_locked(tok, raw)
+                out = self._encode_locked(tok, raw, with_spans)
             finally:
                 self.backend.leave()
         if out is None:  # a status bit: the CPU answers, exactly
             self.fallbacks += 1
             from .bpe_model import encode_with_spans
 
-            return encode_with_spans(tok, text)
+            ids, spans = encode_with_spans(tok, text if isinstance(text, str) else bytes(raw).decode("utf-8"))
+            return ids, (spans if with_spans else None)
         return out
 
-    def _encode_locked(self, tok, raw: bytes):
+    def _encode_locked(self, tok, raw: bytes, with_spans: bool = True):
         be = self.backend
         tk = self._tok(tok)
         lit_s, lit_e, lit_id = [], [], []
@@ -558,9 +563,10 @@ class GpuDriver:
         nt = int(meta[META["NTOKENS"]])
         if nt:
             be.dtoh(bk.host_ids[:nt], a["ids"])
-            be.dtoh(bk.host_spans[:nt], a["spans"])
+            if with_spans:
+                be.dtoh(bk.host_spans[:nt], a["spans"])
             be.sync()  # sync 2
-        return bk.host_ids[:nt].copy(), bk.host_spans[:nt].astype(np.int64)
+        return bk.host_ids[:nt].copy(), (bk.host_spans[:nt].astype(np.int64) if with_spans else None)
 
     # -- self-check ----------------------------------------------------------------------
     def verified(self, tok) -> bool:

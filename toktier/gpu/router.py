@@ -73,8 +73,9 @@ class Router:
             self._driver = available_driver() or False
         return self._driver or None
 
-    def try_encode(self, tok, text: str) -> np.ndarray | None:
-        """IDs from the GPU, or None when the request belongs on the CPU (the caller encodes it there)."""
+    def try_encode(self, tok, text: str, utf8: bytes | None = None) -> np.ndarray | None:
+        """IDs from the GPU, or None when the request belongs on the CPU (the caller encodes it there).
+        `utf8`: `text`'s UTF-8 when the caller has it (the driver then does not encode it again)."""
         drv = self.driver()  # probed once; cheap None without a device
         if drv is None:
             self._count("cpu")
@@ -92,7 +93,7 @@ class Router:
                 self._count("spill")
             else:
                 try:
-                    ids = drv.encode(tok, text)[0]
+                    ids = drv.encode(tok, text if utf8 is None else utf8, with_spans=False)[0]
                     self._count("gpu")
                     return ids
                 finally:
