@@ -260,9 +260,10 @@ def test_router_routes_and_keeps_contract():
     assert router.gpu_eligible(tok, "short")[1] == "small"
     assert router.gpu_eligible(tok, text)[0]
 
-    class FakeDriver:  # the router's only dependency on a driver: encode -> (ids, spans)
-        def encode(self, tok, text):
-            return bpe_model.encode_with_spans(tok, text)
+    class FakeDriver:  # the router's only dependency on a driver: encode(str or its UTF-8) -> (ids, spans)
+        def encode(self, tok, text, *, with_spans=True):
+            ids, spans = bpe_model.encode_with_spans(tok, text if isinstance(text, str) else text.decode("utf-8"))
+            return ids, (spans if with_spans else None)
 
     r2 = router.Router(driver=FakeDriver())
     assert np.array_equal(FullPath(gpu=r2).encode(tok, text), tok.encode(text)) and r2.last_route == "gpu"
