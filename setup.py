@@ -14,7 +14,7 @@ ext = Extension(
     include_dirs=["toktier/native"],
     depends=["toktier/native/engine.hpp", "toktier/native/repair.hpp"],  # rebuild when a header changes
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing"],
+    extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing", "-fvisibility=hidden", "-fno-semantic-interposition"],
 )
 
 setup(ext_modules=cythonize([ext], compiler_directives={"language_level": "3"}, quiet=True))

@@ -65,6 +65,7 @@ cdef extern from "engine.hpp" namespace "ttn":
         void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, vector[uint32_t]& out) except + nogil
         size_t n_records()
         void build_short_vocab() except +
+        void build_fast_tables() except +
         void build_records(const uint32_t* token_len, const uint8_t* uncertain, int64_t n_ids,
                            int64_t n_vocab) except +
 
@@ -169,6 +170,7 @@ cdef class CoreEngine:
         self.e.t.whole_piece_lookup = whole_piece_lookup
         self.e.nfc = nfc
         self.e.build_short_vocab()
+        self.e.build_fast_tables()
         cdef const uint32_t[::1] tl
         cdef const uint8_t[::1] un
         if token_len is not None:  # per-token records: what a window's tokens read, one line each

@@ -25,6 +25,9 @@
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
+#if defined(__SSE2__)
+#include <emmintrin.h>  // x86-64's baseline: no runtime dispatch needed
+#endif
 
 namespace ttn {
 
@@ -240,20 +243,21 @@ struct PieceCache {
   // Pieces longer than a slot holds: slots of offsets into byte and id arenas (two more lines
   // a lookup, for the rarer long pieces: indentation, long identifiers, digits, encoded data).
   struct Big { uint64_t h; uint32_t boff, blen, ioff, nids; };
-  static constexpr size_t BIG_CAP = 1 << 14, BIG_MAX = 1024;
+  static constexpr size_t BIG_CAP = 1 << 16, BIG_MAX = 1024;
   std::vector<Big> big = std::vector<Big>(BIG_CAP, Big{EMPTY64, 0, 0, 0, 0});
   std::vector<uint8_t> big_bytes;
   std::vector<uint32_t> big_ids;
   size_t big_used = 0;
 
-  bool find_big(uint64_t h, const uint8_t* p, uint32_t n, std::vector<uint32_t>& out) const {
+  // the id count copied to out (room for n ids), or 0 when absent
+  uint32_t find_big(uint64_t h, const uint8_t* p, uint32_t n, uint32_t* out) const {
     size_t i = home(h) & (BIG_CAP - 1);
     while (true) {
       const Big& b = big[i];
-      if (b.h == EMPTY64) return false;
+      if (b.h == EMPTY64) return 0;
       if (b.h == h && b.blen == n && std::memcmp(&big_bytes[b.boff], p, n) == 0) {
-        out.insert(out.end(), big_ids.begin() + b.ioff, big_ids.begin() + b.ioff + b.nids);
-        return true;
+        std::memcpy(out, &big_ids[b.ioff], b.nids * sizeof(uint32_t));
+        return b.nids;
       }
       i = (i + 1) & (BIG_CAP - 1);
     }
@@ -308,10 +312,89 @@ class Engine {
 
   inline uint32_t cls(uint32_t cp) const { return t.cls[cp]; }
 
+  // The merge table again, key, rank and merged id in one 16-byte slot at the same index (same
+  // probe sequence): a BPE miss does tens of pair lookups, and three parallel arrays made each
+  // found pair three cache misses instead of one (`build_fast_tables`).
+  struct alignas(16) PSlot { uint64_t key; uint32_t rank, merged; };
+  static_assert(sizeof(PSlot) == 16, "four slots per cache line");
+  HugeArray<PSlot> pslots;
+
+  // ASCII runs skipped 16 bytes at a time (`skip_ascii`), for each class mask a scanner runs over,
+  // only where the probed table gives exactly these ASCII members to that mask (checked here, at
+  // load): the fast path then reads nothing but what the table says.
+  enum AsciiRun : int { ALPHA = 0, LOWER = 1 };  // [A-Za-z], [a-z]
+  // (not for DeepSeek's L|M runs: its digit and K splits leave short segments, and there the
+  // fast path measured 6% slower on file listings)
+  bool run_alpha_L = false, run_lower_LO = false;
+
+  void build_fast_tables() {
+    const size_t cap = size_t(1) << t.pair_bits;
+    pslots.allocate(cap);
+    for (size_t i = 0; i < cap; ++i) pslots[i] = PSlot{t.pair_keys[i], t.pair_rank[i], t.pair_merged[i]};
+    auto exact = [&](uint32_t mask, int kind) {
+      for (uint32_t c = 0; c < 128; ++c) {
+        const bool lower = c >= 'a' && c <= 'z', upper = c >= 'A' && c <= 'Z';
+        const bool want = kind == ALPHA ? lower || upper : lower;
+        if (bool(t.cls[c] & mask) != want) return false;
+      }
+      return true;
+    };
+    run_alpha_L = exact(L, ALPHA);
+    run_lower_LO = exact(LO, LOWER);
+  }
+
+  // The first position from i (below b) whose character is not an ASCII letter of `kind`, or a
+  // position from which fewer than 16 bytes are left: the scalar run continues from there (so a
+  // non-ASCII letter simply ends the fast part).  One load, compare and bit scan per 16 bytes
+  // instead of a table read and a branch per character, and no mispredicted loop exit.
+  template <class T>
+  static inline int64_t skip_ascii(const T* s, int64_t i, int64_t b, int kind) {
+#if defined(__SSE2__)
+    if (sizeof(T) > 2) return i;
+    constexpr int per = 16 / int(sizeof(T));
+    const __m128i fold = sizeof(T) == 1 ? _mm_set1_epi8(kind == ALPHA ? 0x20 : 0) : _mm_set1_epi16(kind == ALPHA ? 0x20 : 0);
+    const __m128i base = sizeof(T) == 1 ? _mm_set1_epi8('a') : _mm_set1_epi16('a');
+    const __m128i span = sizeof(T) == 1 ? _mm_set1_epi8(25) : _mm_set1_epi16(25);
+    const __m128i zero = _mm_setzero_si128();
+    while (i + per <= b) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      __m128i ok;
+      if (sizeof(T) == 1) {  // (x | fold) - first <= 25, unsigned
+        const __m128i d = _mm_sub_epi8(_mm_or_si128(x, fold), base);
+        ok = _mm_cmpeq_epi8(_mm_subs_epu8(d, span), zero);
+      } else {
+        const __m128i d = _mm_sub_epi16(_mm_or_si128(x, fold), base);
+        ok = _mm_cmpeq_epi16(_mm_subs_epu16(d, span), zero);
+      }
+      const uint32_t miss = ~uint32_t(_mm_movemask_epi8(ok)) & 0xFFFFu;
+      if (miss) return i + int64_t(__builtin_ctz(miss) / int(sizeof(T)));
+      i += per;
+    }
+#else
+    (void)s; (void)b; (void)kind;
+#endif
+    return i;
+  }
+
+  template <class T>
+  inline int64_t run_letters(const T* s, int64_t i, int64_t b, uint32_t any, bool fast, int kind) const {
+    if (fast) i = skip_ascii(s, i, b, kind);
+    return run(s, i, b, any);
+  }
+
   inline uint32_t pair(uint32_t a, uint32_t b, uint32_t& merged) const {
     uint64_t key = (uint64_t(a) << 32) | b;
     uint64_t i = (key * GOLDEN) >> (64 - t.pair_bits);
     const uint64_t m = (1ull << t.pair_bits) - 1;
+    if (!pslots.empty()) {
+      const PSlot* P = pslots.data();
+      while (true) {
+        const PSlot& sl = P[i];
+        if (sl.key == key) { merged = sl.merged; return sl.rank; }
+        if (sl.key == EMPTY64) return EMPTY32;
+        i = (i + 1) & m;
+      }
+    }
     while (true) {
       uint64_t k = t.pair_keys[i];
       if (k == key) { merged = t.pair_merged[i]; return t.pair_rank[i]; }
@@ -383,7 +466,7 @@ class Engine {
       if (id == EMPTY32) continue;
       const uint32_t o = t.tok_off[id], n = t.tok_off[id + 1] - o;
       if (n > SHORT_MAX || n == 0) continue;
-      const uint64_t h = fnv(t.tok_blob + o, n);
+      const uint64_t h = piece_hash(t.tok_blob + o, n);
       uint64_t j = (h * GOLDEN) >> (64 - short_bits);
       while (short_vocab[j].used) j = (j + 1) & short_mask;
       VSlot& v = short_vocab[j];
@@ -395,7 +478,7 @@ class Engine {
     }
   }
 
-  inline int64_t vocab(uint64_t h, const uint8_t* p, uint32_t n) const {
+  inline int64_t vocab(uint64_t h, const uint8_t* p, uint32_t n) const {  // h: piece_hash
     if (int(n) > t.max_piece_lookup) return -1;
     if (n <= SHORT_MAX && !short_vocab.empty()) {
       uint64_t j = (h * GOLDEN) >> (64 - short_bits);
@@ -406,6 +489,7 @@ class Engine {
         j = (j + 1) & short_mask;
       }
     }
+    if (n <= QUICK_MAX) h = fnv(p, n);  // (only without a short table)
     uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);
     const uint64_t m = (1ull << t.vocab_bits) - 1;
     while (true) {
@@ -428,38 +512,87 @@ class Engine {
     return h;
   }
 
+  // The hash of a piece in the tables built here (short vocab, piece cache).  A piece of up to 16
+  // bytes (nearly all of them) is read as two zero-padded little-endian words (`quick_words`)
+  // and mixed with one 64x64->128 multiply: FNV-1a's serial multiply per byte, and the branches
+  // on the length, cost more than the lookup they feed.  Longer pieces keep FNV-1a, the hash of
+  // the Python-built vocab table they are looked up in.  Only speed depends on the hash: every
+  // table compares the bytes.
+  static constexpr uint32_t QUICK_MAX = 16;
+  static inline void quick_words(const uint8_t* p, uint32_t n, uint64_t& lo, uint64_t& hi) {  // 1 <= n <= 16
+    static constexpr uint64_t LO[17] = {0, 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF, 0xFFFFFFFFFF, 0xFFFFFFFFFFFF,
+                                        0xFFFFFFFFFFFFFF, ~0ull, ~0ull, ~0ull, ~0ull, ~0ull, ~0ull, ~0ull, ~0ull, ~0ull};
+    static constexpr uint64_t HI[17] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF, 0xFFFFFFFFFF,
+                                        0xFFFFFFFFFFFF, 0xFFFFFFFFFFFFFF, ~0ull};
+    if ((reinterpret_cast<uintptr_t>(p) & 4095) <= 4096 - 16) {
+      // 16 bytes from p lie in p's page, so reading past the piece cannot fault; the extra
+      // bytes are masked off (no branch on the length)
+      std::memcpy(&lo, p, 8);
+      std::memcpy(&hi, p + 8, 8);
+      lo &= LO[n];
+      hi &= HI[n];
+    } else {
+      uint8_t tmp[16] = {0};
+      std::memcpy(tmp, p, n);
+      std::memcpy(&lo, tmp, 8);
+      std::memcpy(&hi, tmp + 8, 8);
+    }
+  }
+  static inline uint64_t quick_mix(uint64_t lo, uint64_t hi, uint32_t n) {
+#if defined(__SIZEOF_INT128__)
+    const __uint128_t m = __uint128_t(lo ^ 0xA0761D6478BD642Full) * (hi ^ 0xE7037ED1A0B428DBull ^ (uint64_t(n) << 56));
+    return uint64_t(m) ^ uint64_t(m >> 64);
+#else  // compilers without 128-bit integers: two multiply-xorshift rounds
+    uint64_t h = (lo ^ 0xA0761D6478BD642Full) * GOLDEN;
+    h = (h ^ (h >> 29) ^ hi ^ (uint64_t(n) << 56)) * 0xE7037ED1A0B428DBull;
+    return h ^ (h >> 32);
+#endif
+  }
+  static inline uint64_t piece_hash(const uint8_t* p, uint32_t n) {
+    if (n > QUICK_MAX) return fnv(p, n);
+    uint64_t lo, hi;
+    quick_words(p, n, lo, hi);
+    return quick_mix(lo, hi, n);
+  }
+
   inline void prefetch_vocab(uint64_t h, uint32_t n) const {
     if (n <= SHORT_MAX && !short_vocab.empty()) {
       __builtin_prefetch(&short_vocab[(h * GOLDEN) >> (64 - short_bits)]);
       return;
     }
-    uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);
+    uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);  // n > QUICK_MAX here: h is FNV-1a
     __builtin_prefetch(t.vocab_keys + i);
     __builtin_prefetch(t.vocab_ids + i);
   }
 
-  // BPE of one piece's bytes (FNV-1a hash `h`), appended to `out` (ids only).
-  void bpe_hashed(const uint8_t* p, uint32_t n, uint64_t h, PieceCache& cache, std::vector<uint32_t>& out) const {
-    if (n == 1) { out.push_back(t.byte_to_id[p[0]]); return; }
-    if (t.whole_piece_lookup) {  // most pieces are one vocab token: no cache entry for them
+  // BPE of one piece's bytes (hash `h` = piece_hash) into w (room for n ids): the id count.
+  // `looked_up`: the caller already found the piece missing from the vocab.
+  uint32_t bpe_hashed(const uint8_t* p, uint32_t n, uint64_t h, PieceCache& cache, uint32_t* w,
+                      bool looked_up = false) const {
+    if (n == 1) { *w = t.byte_to_id[p[0]]; return 1; }
+    if (t.whole_piece_lookup && !looked_up) {  // most pieces are one vocab token: no cache entry for them
       int64_t id = vocab(h, p, n);
-      if (id >= 0) { out.push_back(uint32_t(id)); return; }
+      if (id >= 0) { *w = uint32_t(id); return 1; }
     }
     if (const PieceCache::Slot* sl = cache.find(h, p, n)) {
       ++cache.hits;
-      out.insert(out.end(), sl->ids, sl->ids + sl->nids);
-      return;
+      std::memcpy(w, sl->ids, sl->nids * sizeof(uint32_t));
+      return sl->nids;
     }
-    if (n > PieceCache::MAX_BYTES && cache.find_big(h, p, n, out)) { ++cache.hits; return; }
+    if (n > PieceCache::MAX_BYTES) {
+      const uint32_t k = cache.find_big(h, p, n, w);
+      if (k) { ++cache.hits; return k; }
+    }
     ++cache.misses;
-    size_t base = out.size();
-    if (n <= 48) merge_small(p, n, out);
-    else merge_heap(p, n, out);
-    cache.put(h, p, n, out.data() + base, uint32_t(out.size() - base));
+    const uint32_t k = n <= 48 ? merge_small(p, n, w) : merge_heap(p, n, w);
+    cache.put(h, p, n, w, k);
+    return k;
   }
 
   void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, std::vector<uint32_t>& out) const {
-    bpe_hashed(p, n, fnv(p, n), cache, out);
+    const size_t base = out.size();
+    out.resize(base + n);
+    out.resize(base + bpe_hashed(p, n, piece_hash(p, n), cache, out.data() + base));
   }
 
   // BPE of a batch of pieces of `buf` (byte start, length), in order: all hashes first, their
@@ -468,21 +601,64 @@ class Engine {
                      std::vector<uint64_t>& hs, PieceCache& cache, std::vector<uint32_t>& out,
                      std::vector<uint32_t>* first_tok) const {
     hs.resize(pcs.size());
+    size_t room = 0;
     for (size_t i = 0; i < pcs.size(); ++i) {
-      hs[i] = fnv(buf + pcs[i].first, pcs[i].second);
-      if (PREFETCH && pcs[i].second > 1) {
-        if (t.whole_piece_lookup) prefetch_vocab(hs[i], pcs[i].second);
+      const uint32_t n = pcs[i].second;
+      room += n;
+      hs[i] = piece_hash(buf + pcs[i].first, n);
+      if (PREFETCH && n > 1) {
+        if (t.whole_piece_lookup) prefetch_vocab(hs[i], n);
         else cache.prefetch(hs[i]);
       }
     }
+    // Ids are written through a pointer (at most one per byte), the vector trimmed after: a
+    // push_back per token was an out-of-line call.
+    const size_t base = out.size();
+    out.resize(base + room);
+    uint32_t* const w0 = out.data() + base;
+    uint32_t* w = w0;
+    const bool short_ok = t.whole_piece_lookup && !short_vocab.empty();
+    const uint32_t short_lim = std::min<uint32_t>(SHORT_MAX, uint32_t(std::max(t.max_piece_lookup, 0)));
+    const VSlot* const sv = short_vocab.data();
     for (size_t i = 0; i < pcs.size(); ++i) {
-      if (first_tok) first_tok->push_back(uint32_t(out.size()));
-      bpe_hashed(buf + pcs[i].first, pcs[i].second, hs[i], cache, out);
+      if (first_tok) first_tok->push_back(uint32_t(base + size_t(w - w0)));
+      const uint8_t* p = buf + pcs[i].first;
+      const uint32_t n = pcs[i].second;
+      if (n == 1) { *w++ = t.byte_to_id[p[0]]; continue; }
+      bool looked_up = false;
+      if (short_ok && n <= short_lim) {  // `vocab`'s short-table probe, inline
+        uint64_t j = (hs[i] * GOLDEN) >> (64 - short_bits);
+        int64_t id = -1;
+        if (n <= QUICK_MAX) {  // a slot's bytes are zero-padded: two word compares
+          uint64_t lo, hi;
+          quick_words(p, n, lo, hi);
+          while (true) {
+            const VSlot& v = sv[j];
+            if (!v.used) break;
+            uint64_t vlo, vhi;
+            std::memcpy(&vlo, v.bytes, 8);
+            std::memcpy(&vhi, v.bytes + 8, 8);
+            if (v.h == hs[i] && v.len == n && ((vlo ^ lo) | (vhi ^ hi)) == 0) { id = v.id; break; }
+            j = (j + 1) & short_mask;
+          }
+        } else {
+          while (true) {
+            const VSlot& v = sv[j];
+            if (!v.used) break;
+            if (v.h == hs[i] && v.len == n && same_bytes(v.bytes, p, n)) { id = v.id; break; }
+            j = (j + 1) & short_mask;
+          }
+        }
+        if (id >= 0) { *w++ = uint32_t(id); continue; }
+        looked_up = true;
+      }
+      w += bpe_hashed(p, n, hs[i], cache, w, looked_up);
     }
+    out.resize(base + size_t(w - w0));
   }
 
   // tiktoken's loop: the leftmost lowest-rank pair, merged one at a time (O(n^2), small n).
-  void merge_small(const uint8_t* p, uint32_t n, std::vector<uint32_t>& out) const {
+  uint32_t merge_small(const uint8_t* p, uint32_t n, uint32_t* out) const {
     uint32_t ids[48], rank[48], merged[48];
     uint32_t m = n;
     for (uint32_t i = 0; i < n; ++i) ids[i] = t.byte_to_id[p[i]];
@@ -498,11 +674,12 @@ class Engine {
       if (at > 0) rank[at - 1] = pair(ids[at - 1], ids[at], merged[at - 1]);
       if (at + 1 < m) rank[at] = pair(ids[at], ids[at + 1], merged[at]);
     }
-    out.insert(out.end(), ids, ids + m);
+    std::memcpy(out, ids, m * sizeof(uint32_t));
+    return m;
   }
 
   // HF's `Word::merge_all`: a min-heap of (rank, position) with stale entries skipped (O(n log n)).
-  void merge_heap(const uint8_t* p, uint32_t n, std::vector<uint32_t>& out) const {
+  uint32_t merge_heap(const uint8_t* p, uint32_t n, uint32_t* out) const {
     struct E { uint32_t rank, pos, merged; };
     struct Cmp { bool operator()(const E& a, const E& b) const { return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos; } };
     std::vector<uint32_t> id(n);
@@ -536,7 +713,9 @@ class Engine {
         if (r2 != EMPTY32) q.push({r2, a, mg});
       }
     }
-    for (int32_t i = 0; i >= 0; i = nxt[i]) out.push_back(id[i]);
+    uint32_t k = 0;
+    for (int32_t i = 0; i >= 0; i = nxt[i]) out[k++] = id[i];
+    return k;
   }
 
   // -- pre-tokenizer scanners: piece ends for the segment s[a, b) -------------------------------
@@ -584,8 +763,8 @@ class Engine {
     uint32_t c = cls(cp);
     int64_t e = contraction(s, i, b);
     if (e > i) return e;
-    if (c & L) return run(s, i + 1, b, L);
-    if (!is_r(cp) && !(c & (L | N)) && i + 1 < b && (cls(s[i + 1]) & L)) return run(s, i + 2, b, L);
+    if (c & L) return run_letters(s, i + 1, b, L, run_alpha_L, ALPHA);
+    if (!is_r(cp) && !(c & (L | N)) && i + 1 < b && (cls(s[i + 1]) & L)) return run_letters(s, i + 2, b, L, run_alpha_L, ALPHA);
     if (c & N) return digits(s, i, b, t.rules == QWEN ? 1 : 3);
     int64_t e2 = punct(s, i, b, false);
     if (e2 > i) return e2;
@@ -616,7 +795,7 @@ class Engine {
   template <class T>
   inline int64_t upper_lower(const T* s, int64_t j, int64_t b) const {
     int64_t u = run(s, j, b, UP);
-    if (u < b && (cls(s[u]) & LO)) return run(s, u + 1, b, LO);
+    if (u < b && (cls(s[u]) & LO)) return run_letters(s, u + 1, b, LO, run_lower_LO, LOWER);
     for (int64_t k = u - 1; k >= j; --k)
       if (cls(s[k]) & LO) return k + 1;  // the last B of the U run; nothing after it is l
     return -1;
@@ -753,9 +932,8 @@ class Engine {
     out.ids.reserve(out.ids.size() + size_t(n / 3) + 16);
     if (out.want_starts) out.starts.reserve(out.ids.capacity());
     const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
-    std::unique_ptr<uint8_t[]> segbuf;
-    std::unique_ptr<uint32_t[]> boff;
-    size_t seg_cap = 0;
+    std::unique_ptr<uint8_t[]> pbuf(new uint8_t[4096]());  // a batch's pieces as UTF-8 (converted texts)
+    size_t pcap = 4096;
     std::vector<std::pair<uint32_t, uint32_t>> batch;  // (byte offset in the segment buffer, length)
     std::vector<uint64_t> hs;
     std::vector<uint32_t> first_tok;
@@ -770,52 +948,64 @@ class Engine {
       }
       return text_byte;
     };
-    auto segment = [&](int64_t a, int64_t b) {
-      const int64_t base = bytes_to(a);  // the segment's first byte in the text
-      const uint8_t* buf;
-      if (direct) {
-        buf = reinterpret_cast<const uint8_t*>(s) + a;
-      } else if (at) {
-        buf = u8 + at[a];
-      } else {  // the segment's UTF-8 and each character's offset in it, in one pass
-        if (size_t(b - a) > seg_cap) {  // uninitialized storage: a resize would zero it first
-          seg_cap = size_t(b - a);
-          segbuf.reset(new uint8_t[seg_cap * 4]);
-          boff.reset(new uint32_t[seg_cap + 1]);
-        }
-        uint8_t* const base8 = segbuf.get();
-        uint8_t* w = base8;
-        for (int64_t i = a; i < b; ++i) {
-          boff[size_t(i - a)] = uint32_t(w - base8);
-          w = put_utf8(uint32_t(s[i]), w);
-        }
-        boff[size_t(b - a)] = uint32_t(w - base8);
-        buf = base8;
-      }
-      auto flush = [&]() {
-        if (batch.empty()) return;
-        first_tok.clear();
-        encode_pieces(buf, batch, hs, cache, out.ids, out.want_starts ? &first_tok : nullptr);
-        if (out.want_starts) {
-          first_tok.push_back(uint32_t(out.ids.size()));
-          for (size_t i = 0; i < batch.size(); ++i) {
-            int64_t off = base + batch[i].first;
-            for (uint32_t k = first_tok[i]; k < first_tok[i + 1]; ++k) {
-              out.starts.push_back(off);
-              off += blen(out.ids[k]);
-            }
+    auto flush = [&](const uint8_t* buf, int64_t base) {  // base: buf[0]'s byte offset in the text
+      if (batch.empty()) return;
+      first_tok.clear();
+      encode_pieces(buf, batch, hs, cache, out.ids, out.want_starts ? &first_tok : nullptr);
+      if (out.want_starts) {
+        first_tok.push_back(uint32_t(out.ids.size()));
+        for (size_t i = 0; i < batch.size(); ++i) {
+          int64_t off = base + batch[i].first;
+          for (uint32_t k = first_tok[i]; k < first_tok[i + 1]; ++k) {
+            out.starts.push_back(off);
+            off += blen(out.ids[k]);
           }
         }
-        batch.clear();
-      };
+      }
+      batch.clear();
+    };
+    auto segment = [&](int64_t a, int64_t b) {
+      const int64_t base = bytes_to(a);  // the segment's first byte in the text
+      if (direct || at) {  // the segment's UTF-8 is in memory already: pieces are read in place
+        const uint8_t* buf = direct ? reinterpret_cast<const uint8_t*>(s) + a : u8 + at[a];
+        auto piece = [&](int64_t pa, int64_t pb) {
+          uint32_t x = direct ? uint32_t(pa - a) : uint32_t(at[pa] - at[a]);
+          uint32_t y = direct ? uint32_t(pb - a) : uint32_t(at[pb] - at[a]);
+          batch.emplace_back(x, y - x);
+          if (batch.size() >= 256) flush(buf, base);
+        };
+        pretokenize(s, a, b, piece);
+        flush(buf, base);
+        return;
+      }
+      // Otherwise each piece is written as UTF-8 into a small buffer, which a batch's BPE reads
+      // while it is still in L1: converting the whole segment first (plus a per-character offset
+      // table) wrote ~8 bytes a character to fresh memory and read them back later.
+      int64_t bbase = base;  // pbuf[0]'s byte offset in the text
+      size_t used = 0;
       auto piece = [&](int64_t pa, int64_t pb) {
-        uint32_t x = direct ? uint32_t(pa - a) : at ? uint32_t(at[pa] - at[a]) : boff[size_t(pa - a)];
-        uint32_t y = direct ? uint32_t(pb - a) : at ? uint32_t(at[pb] - at[a]) : boff[size_t(pb - a)];
-        batch.emplace_back(x, y - x);
-        if (batch.size() >= 256) flush();
+        const size_t need = used + size_t(pb - pa) * 4;
+        if (need > pcap) {
+          pcap = std::max(need, 2 * pcap);
+          std::unique_ptr<uint8_t[]> bigger(new uint8_t[pcap]());
+          if (used) std::memcpy(bigger.get(), pbuf.get(), used);
+          pbuf = std::move(bigger);
+        }
+        uint8_t* const w0 = pbuf.get() + used;
+        uint8_t* w = w0;
+        for (int64_t i = pa; i < pb; ++i) {
+          const uint32_t c = uint32_t(s[i]);
+          if (c < 0x80) *w++ = uint8_t(c);
+          else w = put_utf8(c, w);
+        }
+        batch.emplace_back(uint32_t(used), uint32_t(w - w0));
+        used += size_t(w - w0);
+        if (batch.size() >= 256) { flush(pbuf.get(), bbase); bbase += int64_t(used); used = 0; }
       };
       pretokenize(s, a, b, piece);
-      flush();
+      flush(pbuf.get(), bbase);
+      text_char = b;  // `bytes_to` resumes after this segment
+      text_byte = bbase + int64_t(used);
     };
     int64_t pos = 0;
     for (const Literal& l : lits) {
