@@ -9,5 +9,17 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test]'
 bash scripts/fetch-test-data.sh
+# The --state-store tests start a real Valkey/Redis server (Debian package redis-server); install
+# it when missing and we can, else they skip with a note.
+if ! command -v valkey-server >/dev/null && ! command -v redis-server >/dev/null; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        echo "installing redis-server for the state-store tests" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1; } \
+            || echo "note: could not install redis-server; the state-store tests will skip" >&2
+    else
+        echo "note: no redis-server or valkey-server (apt-get install redis-server as root); the state-store tests will skip" >&2
+    fi
+fi
 bash scripts/fetch-chat-templates.sh
 exec .venv/bin/python -m pytest "$@"

@@ -25,6 +25,7 @@ from toktier.errors import InvalidCacheConfig
 from .config import DEFAULT_TOKENIZER, ServerConfig, default_socket_path
 from .server import Sidecar
 from .statedir import InsecureStateDir
+from .statestore import InvalidStateStore
 
 
 def _size(text: str) -> int:
@@ -123,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", dest="state_dir",
                    help="keep every session's state in this private directory (created 0700) so that a restart "
                         "resumes sessions by repair, not by re-encoding (default: off)")
+    p.add_argument("--state-store", dest="state_store", metavar="URL",
+                   help="share session state with other nodes through a Valkey/Redis server: redis://HOST[:PORT][/DB], "
+                        "rediss://, valkey://, valkeys:// or unix:///PATH/TO/SOCKET[?db=N] (needs toktier[redis]; "
+                        "default: off)")
+    p.add_argument("--state-store-prefix", dest="state_store_prefix",
+                   help="prefix of the keys written to --state-store (default 'toktier:')")
+    p.add_argument("--state-store-max-value", dest="state_store_max_value", type=_size,
+                   help="largest session record stored, e.g. 64M (default 64M: a 16M-character session)")
+    p.add_argument("--state-store-timeout", dest="state_store_timeout", type=float,
+                   help="seconds a store call may take before it counts as failed (default 2)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -165,6 +176,12 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         except ValueError:
             raise SystemExit(f"tokenizer_cache_l1_max_memory must be bytes or a size like 256M or 1G, "
                              f"not {memory!r}") from None
+    size = values.get("state_store_max_value")
+    if isinstance(size, str):
+        try:
+            values["state_store_max_value"] = _size(size)
+        except ValueError:
+            raise SystemExit(f"state_store_max_value must be bytes or a size like 64M, not {size!r}") from None
     try:
         return ServerConfig(**values)  # type: ignore[arg-type]
     except InvalidCacheConfig as exc:
@@ -179,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(args)
     try:
         sidecar = Sidecar(config)
-    except InsecureStateDir as exc:
+    except (InsecureStateDir, InvalidStateStore) as exc:
         raise SystemExit(f"toktier serve: {exc}") from None
     uvloop.run(sidecar.run())
     return 0

@@ -115,6 +115,21 @@ class ServerConfig:
     #: once (each write is O(session): text + 4 bytes/token); what a SIGKILL can lose, which
     #: the next op then answers as a miss (never with older IDs).
     state_flush_delay: float = 0.25
+    #: Seconds between writes of the tokenizer caches' L1 entries to ``state_dir`` (each cache
+    #: is one file, rewritten whole while it changes, within its L1 byte bound; read at start).
+    state_cache_flush_interval: float = 5.0
+    #: Shared tier for fleets (``toktier_sidecar.statestore``): a Valkey/Redis URL
+    #: (``redis://HOST:PORT/DB``, ``rediss://``, ``valkey://``, ``valkeys://``,
+    #: ``unix:///PATH?db=N``); None: off.  Session records are written behind to it on the
+    #: same schedule as ``state_dir`` (both when both are set), and a session this server does
+    #: not hold is looked up there (after ``state_dir``) and resumed by repair.
+    state_store: str | None = None
+    #: Prefix of every key this server writes (keys are ``<prefix>s:<hash of the session key>``).
+    state_store_prefix: str = "toktier:"
+    #: Largest record written to or read from the store, in bytes (64 MiB: a 16M-character session).
+    state_store_max_value: int = 64 << 20
+    #: Seconds one store call may take before it counts as a failure (then a backoff).
+    state_store_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("tokenizer_cache_enable_l0", "tokenizer_cache_enable_l1"):

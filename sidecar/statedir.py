@@ -1,27 +1,33 @@
-"""``--state-dir``: the directory where sessions outlive the process, and when records are written.
+"""State that outlives the process: one write-behind schedule over pluggable backends, and the
+``--state-dir`` backend (the local directory, which also keeps the tokenizer caches' L1 entries).
 
-Owns the directory (created 0700; refused when group/other-writable, foreign-owned or a
-symlink), the file name of each session's record (a blake2b hash of its namespace and id:
-never a name a client spells), the index of records found at start and not yet claimed,
-and the write-behind schedule.  The record format is :mod:`toktier.persist`'s.
+Owns the write-behind schedule (:class:`WriteBehind`), the :class:`Backend` interface a place
+where records live implements, the directory backend (:class:`StateDir`: created 0700 and
+refused when group/other-writable, foreign-owned or a symlink; one file per session, named by a
+blake2b hash of its namespace and id, never by a name a client spells; the index of records
+found at start and not yet claimed) and the tokenizer caches' files (:class:`CacheFiles`).
+The record format is :mod:`toktier.persist`'s; the shared Valkey/Redis backend is
+:mod:`toktier_sidecar.statestore`'s.
 
-Why one snapshot file per session rather than an append-only log: a snapshot is
-self-contained (restore reads one file, checks one checksum and one certificate), a crash
-mid-write leaves the previous record (temp file + fsync + rename), and nothing needs
+Why one snapshot per session rather than an append-only log: a snapshot is self-contained
+(restore reads one record, checks one checksum and one certificate), a crash mid-write leaves
+the previous record (temp file + fsync + rename; a store's SET is atomic), and nothing needs
 compaction.  It costs O(session) bytes per write, which the schedule bounds:
 
 * after an op changes a session, its record is written ``state_flush_delay`` seconds later
   (a burst of appends writes once: what a SIGKILL can lose), by one writer thread, with at
   most one write per session in flight (a change during a write schedules one more);
 * the state is copied on the loop thread only while no op runs on the session (its lane
-  is idle), then checksummed and written off the loop;
-* a session that ends (close, TTL, eviction) loses its record; shutdown writes every
-  pending change and keeps the records;
-* a record found at start is restored lazily, by the first op on its session (see
-  :class:`toktier_sidecar.server.Sidecar`), and removed unused after the session TTL.
+  is idle), then encoded and checksummed once and handed to every backend, off the loop;
+* a session that ends loses its record: in the directory on any end (close, TTL, eviction),
+  in a shared store only on Close (a TTL or eviction here says nothing of the other nodes,
+  and the store's own TTL ends it there); shutdown writes every pending change and keeps them;
+* a record is restored lazily, by the first op on its session (see
+  :class:`toktier_sidecar.server.Sidecar`): the directory first, then the store.
 
 Disk use: about the live sessions' text plus 4 bytes per token (plus ~300 bytes each),
-i.e. under the memory budget's worth, plus unclaimed records until their TTL.
+i.e. under the memory budget's worth, plus unclaimed records until their TTL, plus the
+tokenizer caches' files (each at most its L1 byte bound of text + IDs).
 """
 
 from __future__ import annotations
@@ -33,19 +39,22 @@ import logging
 import os
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Literal, NamedTuple, Protocol
+from typing import Callable, Hashable, Iterable, Literal, NamedTuple, Protocol
 
 import numpy as np
 
 import toktier
 from toktier.errors import TokTierError
-from toktier.persist import ForeignRecord, RecordError, SessionRecord, read_record, write_record
+from toktier.persist import (
+    CorruptRecord, ForeignRecord, RecordError, SessionRecord, decode_record, encode_record, split_records, write_bytes,
+)
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".rec"
+CACHE_SUFFIX = ".l1"
 BUSY: Literal["busy"] = "busy"
 
 
@@ -54,11 +63,12 @@ class InsecureStateDir(TokTierError, PermissionError):
 
 
 class StaleRecord(RecordError):
-    """A record older than the client's view of its session (it missed ops a crash lost)."""
+    """A record older than the client's view of its session (it missed ops a crash lost, or
+    another node wrote it before the client's later ops elsewhere)."""
 
 
 class SessionKey(Protocol):
-    """What the directory needs of a session key (the service's ``SessionKey``)."""
+    """What the backends need of a session key (the service's ``SessionKey``)."""
 
     @property
     def namespace(self) -> Hashable: ...
@@ -78,6 +88,43 @@ class Snapshot(NamedTuple):
     text: str
     ids: np.ndarray
     op_key: str
+
+
+class Backend(Protocol):
+    """A place where session records live.  ``save``/``delete`` run on the writer thread, in
+    submission order; ``load`` on a worker thread.  A backend reports its own failures (logs,
+    metrics) and never raises from ``save``/``delete``: the session lives on in memory."""
+
+    #: ``toktier_state_*`` label and log name.
+    name: str
+    #: Shared with other nodes: a session ending *here* (TTL, eviction) keeps its record there.
+    shared: bool
+
+    def save(self, key: SessionKey, data: bytes) -> None: ...
+
+    def delete(self, key: SessionKey) -> None: ...
+
+    def load(self, key: SessionKey) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+def record_name(namespace: Hashable, session: str) -> str:
+    """The file name of a session's record: a hash, so no client id ever becomes a path."""
+    return key_digest(namespace, session) + SUFFIX
+
+
+def key_digest(namespace: Hashable, session: str) -> str:
+    """blake2b-160 hex of a session key: file names and store keys alike."""
+    key = json.dumps([namespace, session], ensure_ascii=True).encode("ascii")
+    return hashlib.blake2b(key, digest_size=20).hexdigest()
+
+
+def check_record(rec: SessionRecord, key: SessionKey) -> SessionRecord:
+    """``rec`` if it claims to be ``key``'s; ForeignRecord otherwise (renamed file, hash collision)."""
+    if rec.namespace != key.namespace or rec.session != key.session:
+        raise ForeignRecord("record belongs to another session (renamed file, copied key or hash collision)")
+    return rec
 
 
 def ensure_state_dir(path: str) -> str:
@@ -104,49 +151,31 @@ def ensure_state_dir(path: str) -> str:
         f"there. Use a private directory (chmod 700, owned by uid {uid})")
 
 
-def record_name(namespace: Hashable, session: str) -> str:
-    """The file name of a session's record: a hash, so no client id ever becomes a path."""
-    key = json.dumps([namespace, session], ensure_ascii=True).encode("ascii")
-    return hashlib.blake2b(key, digest_size=20).hexdigest() + SUFFIX
-
-
-@dataclass
-class _Pending:
-    """Write-behind state of one session (loop thread only)."""
-
-    dirty: bool = False
-    inflight: bool = False
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-
-
+# ------------------------------------------------------------------ the directory
 class StateDir:
-    """The state directory of one server (see the module docstring).  Loop-thread methods
-    unless marked otherwise; file work runs on the one writer thread, in submission order."""
+    """The ``--state-dir`` backend.  ``scan``/``indexed``/``claim``/``expire`` run on the loop
+    thread; ``save``/``delete`` on the writer thread; ``load`` on a worker."""
 
-    def __init__(self, path: str, *, ttl: float, flush_delay: float) -> None:
+    name = "dir"
+    shared = False
+
+    def __init__(self, path: str, *, ttl: float) -> None:
         self.path = ensure_state_dir(path)
         self.ttl = ttl
-        self.flush_delay = flush_delay
         #: Records found at start and not yet claimed: file name -> mtime (wall clock).
         self.index: dict[str, float] = {}
-        #: Set by the server (loop thread): a copy of the session's state; None when it is not
-        #: to be written (gone, or bound to its connection); BUSY while an op runs on it.
-        self.snapshot: Callable[[SessionKey], Snapshot | Literal["busy"] | None] = lambda key: None
-        self._pending: dict[SessionKey, _Pending] = {}
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="toktier-state")
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.write_errors = 0
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    # ---------------------------------------------------------------- start
-    def scan(self) -> None:
-        """Index the records left by earlier runs (no reads: restores are lazy), remove temp
-        files of interrupted writes and records older than the TTL.  Blocking: at start."""
-        self._loop = asyncio.get_running_loop()
+    def scan(self) -> list[str]:
+        """Index the session records left by earlier runs (no reads: restores are lazy), remove
+        temp files of interrupted writes and records older than the TTL; returns the tokenizer
+        cache files found.  Blocking: at start."""
         now = time.time()
         expired = 0
+        caches = []
         with os.scandir(self.path) as entries:
             for e in entries:
                 if e.name.endswith(".tmp") and e.name.startswith("."):
@@ -158,40 +187,88 @@ class StateDir:
                         expired += 1
                     else:
                         self.index[e.name] = mtime
-        log.info("state dir %s: %d session records to restore on demand (%d expired removed)",
-                 self.path, len(self.index), expired)
+                elif e.name.endswith(CACHE_SUFFIX) and e.is_file(follow_symlinks=False):
+                    caches.append(e.path)
+        log.info("state dir %s: %d session records to restore on demand (%d expired removed), %d cache files",
+                 self.path, len(self.index), expired, len(caches))
+        return caches
 
-    def expire(self) -> int:
-        """Remove unclaimed records older than the TTL (their sessions would have expired)."""
+    def expired(self) -> list[str]:
+        """Unindex unclaimed records older than the TTL (their sessions would have expired);
+        the caller removes them in order with the writes."""
         cutoff = time.time() - self.ttl
         old = [name for name, mtime in self.index.items() if mtime < cutoff]
         for name in old:
             del self.index[name]
-            self._writer.submit(_unlink, self.file(name))
-        return len(old)
+        return old
 
-    # ------------------------------------------------------------- restores
     def indexed(self, key: SessionKey) -> bool:
         return bool(self.index) and record_name(key.namespace, key.session) in self.index
 
-    def claim(self, key: SessionKey) -> str | None:
-        """The path of the session's unclaimed record (now claimed), or None."""
-        name = record_name(key.namespace, key.session)
-        return self.file(name) if self.index.pop(name, None) is not None else None
+    def claim(self, key: SessionKey) -> bool:
+        """True if the session had an unclaimed record (now claimed: ``load`` reads it)."""
+        return self.index.pop(record_name(key.namespace, key.session), None) is not None
 
-    @staticmethod
-    def load(path: str, key: SessionKey) -> SessionRecord:
-        """Any thread: read and check a record (checksum, version, key).  Raises RecordError/OSError."""
-        rec = read_record(path)
-        if rec.namespace != key.namespace or rec.session != key.session:
-            raise ForeignRecord("record belongs to another session (renamed file or hash collision)")
-        return rec
+    def unindex(self, key: SessionKey) -> bool:
+        return self.index.pop(record_name(key.namespace, key.session), None) is not None
 
-    def drop(self, path: str) -> None:
-        """Remove a record that failed its checks (in order with the writes)."""
-        self._writer.submit(_unlink, path)
+    def load(self, key: SessionKey) -> bytes | None:
+        try:
+            with open(self.file(record_name(key.namespace, key.session)), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
 
-    # ------------------------------------------------------------ write-behind
+    def save(self, key: SessionKey, data: bytes) -> None:
+        try:
+            write_bytes(self.file(record_name(key.namespace, key.session)), data)
+        except Exception:  # a full disk must not take the server down: the session lives on in memory
+            self.write_errors += 1
+            log.exception("writing the record of session %r failed", key.session[:64])
+
+    def delete(self, key: SessionKey) -> None:
+        _unlink(self.file(record_name(key.namespace, key.session)))
+
+    def remove(self, name: str) -> None:
+        _unlink(self.file(name))
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ the schedule
+@dataclass
+class _Pending:
+    """Write-behind state of one session (loop thread only)."""
+
+    dirty: bool = False
+    inflight: bool = False
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class WriteBehind:
+    """The one write-behind schedule of a server, over its backends (see the module docstring).
+    Loop-thread methods unless marked otherwise; backend writes run on the one writer thread,
+    in submission order."""
+
+    def __init__(self, backends: Iterable[Backend], *, flush_delay: float) -> None:
+        self.backends = list(backends)
+        self.flush_delay = flush_delay
+        #: Set by the server (loop thread): a copy of the session's state; None when it is not
+        #: to be written (gone, or bound to its connection); BUSY while an op runs on it.
+        self.snapshot: Callable[[SessionKey], Snapshot | Literal["busy"] | None] = lambda key: None
+        self._pending: dict[SessionKey, _Pending] = {}
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="toktier-state")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dir = next((b for b in self.backends if isinstance(b, StateDir)), None)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future:
+        """Run ``fn(*args)`` on the writer thread, after every write submitted before it."""
+        return self._writer.submit(fn, *args)
+
     def changed(self, key: SessionKey) -> None:
         """A session op completed: write its record after the flush delay (coalesced)."""
         p = self._pending.get(key)
@@ -201,16 +278,22 @@ class StateDir:
         if p.timer is None and not p.inflight and self._loop is not None:
             p.timer = self._loop.call_later(self.flush_delay, self._fire, key, p)
 
-    def ended(self, key: SessionKey) -> bool:
-        """The session ended (not at shutdown): remove its record, after any write in flight
-        (one writer thread: FIFO).  True if an unclaimed record of it existed."""
+    def ended(self, key: SessionKey, *, closed: bool) -> None:
+        """The session ended (not at shutdown): remove its record after any write in flight (one
+        writer thread: FIFO), from every local backend, and from shared ones when ``closed``."""
         p = self._pending.pop(key, None)
         if p is not None and p.timer is not None:
             p.timer.cancel()
-        name = record_name(key.namespace, key.session)
-        was_indexed = self.index.pop(name, None) is not None
-        self._writer.submit(_unlink, self.file(name))
-        return was_indexed
+        for b in self.backends:
+            if closed or not b.shared:
+                self._writer.submit(b.delete, key)
+
+    def forget(self, key: SessionKey) -> bool:
+        """A Close of a session not open here: remove its records everywhere; True if the state
+        dir held an unclaimed record of it (the session existed, as far as this server knows)."""
+        existed = self._dir is not None and self._dir.unindex(key)
+        self.ended(key, closed=True)
+        return existed
 
     def _fire(self, key: SessionKey, p: _Pending) -> None:
         p.timer = None
@@ -224,7 +307,7 @@ class StateDir:
             p.timer = self._loop.call_later(self.flush_delay, self._fire, key, p)
             return
         p.dirty, p.inflight = False, True
-        fut = self._writer.submit(self._write, snap)
+        fut = self._writer.submit(self._write, key, snap)
         fut.add_done_callback(lambda _f: self._loop.call_soon_threadsafe(self._written, key, p))
 
     def _written(self, key: SessionKey, p: _Pending) -> None:
@@ -236,20 +319,22 @@ class StateDir:
         else:
             del self._pending[key]
 
-    def _write(self, snap: Snapshot) -> None:
-        """Writer thread: checksum and write one snapshot."""
+    def _write(self, key: SessionKey, snap: Snapshot) -> None:
+        """Writer thread: certify, encode and checksum one snapshot once, then save it everywhere."""
         try:
             rec = SessionRecord.from_parts(snap.tok, namespace=snap.namespace, session=snap.session, seq=snap.seq,
                                            window=snap.window, text=snap.text.encode("utf-8"), ids=snap.ids,
                                            op_key=snap.op_key)
-            write_record(self.file(record_name(snap.namespace, snap.session)), rec)
-        except Exception:  # a full disk must not take the server down: the session lives on in memory
-            self.write_errors += 1
-            log.exception("writing the record of session %r failed", snap.session[:64])
+            data = encode_record(rec)
+        except Exception:
+            log.exception("encoding the record of session %r failed", snap.session[:64])
+            return
+        for b in self.backends:
+            b.save(key, data)
 
     def close(self) -> None:
         """At shutdown (loop thread, no op running): write every pending change, then wait for
-        the writer.  Records stay: the next run restores them."""
+        the writer and close the backends.  Records stay: the next run restores them."""
         for key, p in list(self._pending.items()):
             if p.timer is not None:
                 p.timer.cancel()
@@ -257,9 +342,98 @@ class StateDir:
             if p.dirty:
                 snap = self.snapshot(key)
                 if isinstance(snap, Snapshot):
-                    self._writer.submit(self._write, snap)
+                    self._writer.submit(self._write, key, snap)
         self._pending.clear()
         self._writer.shutdown(wait=True)
+        for b in self.backends:
+            try:
+                b.close()
+            except Exception:
+                log.exception("closing state backend %s failed", b.name)
+
+
+# ------------------------------------------------------------------ tokenizer caches
+class CacheFiles:
+    """The tokenizer caches' L1 entries in the state directory: one file per (namespace,
+    tokenizer), a concatenation of :mod:`toktier.persist` records (session id ``""``, each with
+    its own checksum and certificate), most recently used entry first, at most the cache's L1
+    byte bound of text + IDs.  Written whole (temp file + rename) every
+    ``state_cache_flush_interval`` seconds while the cache changed, and at shutdown; read at
+    start.  Why whole files: a cache's entries change by LRU all the time, and one rename keeps
+    the file consistent.  Why at start, before serving, rather than lazily: reading and adopting
+    (checksum, certificate, tiling; no encode) ran at ~40M characters/s here (25 ms per 1M
+    characters), so even a full default 256 MiB cache (~100M characters) delays readiness by a
+    few seconds, and the first cached encode after a restart is then a hit, never a race with
+    a background load."""
+
+    def __init__(self, state_dir: StateDir, *, max_bytes: int) -> None:
+        self.dir = state_dir
+        self.max_bytes = max_bytes
+        self._signature: dict[tuple[Hashable, str], tuple] = {}
+
+    @staticmethod
+    def name(namespace: Hashable, tok_hash: str) -> str:
+        return key_digest(namespace, "l1:" + tok_hash) + CACHE_SUFFIX
+
+    def changed(self, key: tuple[Hashable, str], cache: toktier.PrefixCache) -> bool:
+        """Loop thread: whether ``cache`` changed since it was last written (by its counters:
+        every stored or evicted entry moves them).  A cache that was never written and holds
+        nothing has not changed."""
+        st = cache.stats()
+        sig = (tuple(sorted(st.lookups.items())), tuple(sorted(st.evictions.items())), st.entries["l1"])
+        old = self._signature.get(key)
+        self._signature[key] = sig
+        if old is None:
+            return st.entries["l1"] > 0 or bool(sum(st.lookups.values()))
+        return old != sig
+
+    def write(self, key: tuple[Hashable, str], cache: toktier.PrefixCache) -> int:
+        """Writer thread: the cache's entries, most recent first, within the byte bound; returns
+        the entries written."""
+        namespace, tok_hash = key
+        tok = cache.tokenizer
+        parts: list[bytes] = []
+        total = n = 0
+        for text, ids in cache.entries():
+            size = len(text) + 4 * len(ids)
+            if total + size > self.max_bytes:
+                continue  # an older, smaller one may still fit
+            rec = SessionRecord.from_parts(tok, namespace=namespace, session="", seq=0, window=0, text=text, ids=ids)
+            parts.append(encode_record(rec))
+            total += size
+            n += 1
+        path = self.dir.file(self.name(namespace, tok_hash))
+        try:
+            if parts:
+                write_bytes(path, b"".join(parts))
+            else:
+                _unlink(path)
+        except Exception:
+            self.dir.write_errors += 1
+            log.exception("writing the tokenizer cache file %s failed", path)
+        return n
+
+    @staticmethod
+    def read(path: str) -> tuple[list[SessionRecord], list[RecordError]]:
+        """Any thread: the records of a cache file (oldest first, the order to adopt them in) and
+        the errors of those that failed their checksum or layout."""
+        good: list[SessionRecord] = []
+        bad: list[RecordError] = []
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            for part in split_records(data):
+                try:
+                    rec = decode_record(part)
+                    if rec.session != "":
+                        raise ForeignRecord("a session record in a tokenizer cache file")
+                    good.append(rec)
+                except RecordError as exc:
+                    bad.append(exc)
+        except CorruptRecord as exc:  # the rest of the file cannot be split
+            bad.append(exc)
+        good.reverse()
+        return good, bad
 
 
 def restore_result(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import unicodedata
+import weakref
 
 import numpy as np
 import pytest
@@ -78,6 +79,11 @@ class Model:
         return r
 
 
+def store_bytes(cache: PrefixCache) -> int:
+    """Bytes of the entry store alone (without the live sessions kept for hot entries)."""
+    return cache.stats().bytes_held["l1"] - sum(h.charge for h in cache._hot.values())
+
+
 def accounted(cache: PrefixCache) -> int:
     """Bytes the store holds, recomputed from its structures (each shared node once)."""
     text_nodes, id_nodes, total = set(), set(), 0
@@ -94,7 +100,8 @@ def accounted(cache: PrefixCache) -> int:
             total += m.nbytes
             m = m.parent
     assert len(text_nodes) == len(cache._nodes)  # no node outlives every entry using it
-    return total
+    assert all(e in cache._lru for e in cache._hot)  # a live session only for a stored entry
+    return total + sum(h.charge for h in cache._hot.values())
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +185,8 @@ def test_forced_hash_collisions_are_misses(material, monkeypatch, tally):
     assert cache._bytes == accounted(cache)
 
 
-def test_eviction_lru_and_byte_bound(material, tally):
+def test_eviction_lru_and_byte_bound(material, tally, monkeypatch):
+    monkeypatch.setattr(pc, "HOT_STATES", 0)  # entries only (live sessions are evicted first: below)
     tok = get_tokenizer("cl100k_base")
     texts = [material[i * 20_000 : i * 20_000 + 12_000] for i in range(12)]  # no shared first block
     sizes = []
@@ -237,35 +245,49 @@ def test_branches_share_their_prefix(material):
     prompt = material[:100_000]
     cache = PrefixCache(tok)
     cache.encode(prompt)
-    one = cache.stats().bytes_held["l1"]
+    one = store_bytes(cache)
     n = 10
     for i in range(n):
         r = cache.encode(prompt + f" branch {i}: " + material[200_000 + 500 * i : 200_500 + 500 * i])
         assert r.layer == "l1"
-    held = cache.stats().bytes_held["l1"]
+    held = store_bytes(cache)
     assert held < one * 1.5, (held, one)  # N copies would be ~ n * one
     assert cache._bytes == accounted(cache)
     # a growing conversation: each turn's entry shares all full blocks of the previous one
     conv = prompt
-    before = cache.stats().bytes_held["l1"]
+    before = store_bytes(cache)
     for turn in range(20):
         conv += material[300_000 + 1400 * turn : 301_400 + 1400 * turn]
         assert cache.encode(conv).layer == "l1"
-    per_turn = (cache.stats().bytes_held["l1"] - before) / 20
+    per_turn = (store_bytes(cache) - before) / 20
     assert per_turn < 16_000, per_turn  # O(turn + block), not O(conversation)
 
 
-def test_results_are_owned_and_frozen(material):
+def test_results_are_read_only_and_never_change(material):
+    """Results are views of live sessions: read-only, and copied on write when a later call would
+    change the session under a result still held (and only then)."""
     tok = get_tokenizer("cl100k_base")
     cache = PrefixCache(tok)
     text = material[:10_000]
-    first = cache.encode(text)
-    ref = tok.encode(text)
-    for r in (first, cache.encode(text), cache.encode(text + "!")):
-        r.ids[:] = 0  # the caller's own array: scribbling on it changes nothing cached
-    assert np.array_equal(cache.encode(text).ids, ref)
+    texts = [text, text, text + "!", text + "! more", text + "! more", text + "? other"]
+    held = [(t, cache.encode(t)) for t in texts]
+    for t, r in held:  # every result still the reference after all the later calls
+        assert np.array_equal(r.ids, tok.encode(t))
+        with pytest.raises(ValueError):
+            r.ids[:1] = 0
+    assert np.array_equal(cache.encode(text).ids, tok.encode(text))
     with pytest.raises(AttributeError):
-        first.layer = "l0"  # type: ignore[misc]
+        held[0][1].layer = "l0"  # type: ignore[misc]
+    view = cache.encode(text + " kept").ids[5:]  # a view of a view keeps the buffer too
+    cache.encode(text + " kept going")
+    assert np.array_equal(view, tok.encode(text + " kept")[5:])
+    del view, held
+    (hot,) = [h for h in cache._hot.values() if h.text == text + " kept going"]
+    buf, capacity = weakref.ref(hot.session._ids.buffer), len(hot.session._ids.buffer)
+    del hot
+    cache.encode(text + " kept going on")  # nothing holds a view: no copy (unless it had to grow)
+    (hot,) = [h for h in cache._hot.values() if h.text == text + " kept going on"]
+    assert hot.session._ids.buffer is buf() or hot.session.num_tokens > capacity
 
 
 def test_argument_errors():
@@ -375,3 +397,153 @@ def test_random_branching_sequences(name, material, tally, data):
             assert cache._bytes <= bound
             tally(tok, "cache")
             pool.append(text)
+
+
+# -- live sessions of hot entries (`PrefixCache._encode_hot`): the shared part compared as str ----
+def spy_hot(cache: PrefixCache) -> list:
+    """Record whether each `encode` was answered by the hot path (True) or the general one."""
+    served: list[bool] = []
+    inner = cache._encode_hot
+
+    def wrapped(text):
+        r = inner(text)
+        served.append(r is not None)
+        return r
+
+    cache._encode_hot = wrapped
+    return served
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_hot_extensions_retries_and_resends(name, material, tally):
+    """A conversation resent whole on every turn: appends ending inside words, numbers, literals and
+    multi-byte characters, retries that replace the last turn, resends, cuts back into the prefix."""
+    tok = get_tokenizer(name)
+    lit = tok.engine.literals[0].content
+    m = Model(tok, PrefixCache(tok), tally)
+    served = spy_hot(m.cache)
+    conv = material[:20_000]
+    m.encode(conv, "miss")
+    pieces = [" the tokeniz", "ation of 12345", "67890 and", lit, " caf\u00e9", "\u0301 more", "\U0001F600",
+              "\U0001F601 x", "   ", "  \n\n", "==" * 40, "don", "'t DON'T", "\u4e00\u4e8c", "\u4e09"]
+    if name == "qwen3":
+        pieces += [unicodedata.normalize("NFC", "e\u0301"), "\u0301\u0301", "\u1100\u1161", "\u11a8 end"]
+    for i, piece in enumerate(pieces):
+        before = conv
+        conv += piece
+        assert m.encode(conv).layer == "l1"
+        if i % 3 == 1:  # a retry: the last piece replaced (the conversation goes on from it)
+            conv = before + material[30_000 + 97 * i : 30_000 + 97 * i + 50]
+            assert m.encode(conv).layer == "l1"
+        if i % 4 == 2:
+            assert m.encode(conv).layer == "l0"  # a resend
+    m.encode(conv[: len(conv) - 700], "l1")  # a cut back into the shared part (a deletion)
+    for a, b in (("\u00e9", "\u00e8"), ("\u4e00", "\u4e01"), ("\U0001F600", "\U0001F601")):
+        # two branches whose UTF-8 differs inside one character (same lead bytes)
+        m.encode(conv + a + " tail one")
+        m.encode(conv + b + " tail two")
+    assert sum(served) >= len(pieces), served  # the hot path answered the appends, retries and resends
+    assert m.cache._bytes == accounted(m.cache)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_a_retried_turn_then_the_original_again(name, material, tally):
+    """retry, then the original resent: both from the live session (the original as an L0 hit,
+    or by prefix once its L0 key is gone), no O(N) conversion."""
+    tok = get_tokenizer(name)
+    m = Model(tok, PrefixCache(tok), tally)
+    served = spy_hot(m.cache)
+    conv = material[:20_000]
+    m.encode(conv, "miss")
+    for i in range(5):
+        original = conv + f"\n<turn {i}> " + material[40_000 + 3000 * i :][:1400]
+        retry = conv + f"\n<turn {i}> " + material[41_500 + 3000 * i :][:1300]
+        m.encode(original, "l1")
+        m.encode(retry, "l1")
+        m.encode(original, "l0")
+        conv = original
+    assert all(served[1:]), [i for i, x in enumerate(served) if not x]
+    small = PrefixCache(tok, l0_max_entries=1)
+    for text in (conv, conv + " a retry", conv):
+        r = small.encode(text)
+        assert np.array_equal(r.ids, tok.encode(text))
+    assert (r.layer, r.first_changed, r.reused_chars) == ("l1", len(r.ids), len(conv))
+    assert small.stats().lookups["l1", "hit"] == 2
+
+
+def test_hot_path_yields_to_an_entry_sharing_more(material, tally, monkeypatch):
+    """A hot text that is a prefix of the request is not enough: a stored entry that shares more
+    (here one whose live session was dropped) is the longest cached prefix, and is used."""
+    monkeypatch.setattr(pc, "HOT_STATES", 1)
+    tok = get_tokenizer("llama3")
+    m = Model(tok, PrefixCache(tok), tally)
+    served = spy_hot(m.cache)
+    p, s1, s2 = material[:12_000], material[50_000:51_000], material[60_000:66_000]
+    m.encode(p + s1 + s2, "miss")  # E: live
+    m.encode(p + s1, "l1")  # H: a prefix of E, now the only live one
+    served.clear()
+    r = m.encode(p + s1 + s2[:4000] + " new ending")  # H is a prefix, but E shares 4000 more characters
+    assert served == [False] and r.layer == "l1"
+    assert r.reused_chars > len(p + s1) + 3000
+
+
+def test_hot_sessions_are_charged_and_evicted_first(material, tally):
+    tok = get_tokenizer("cl100k_base")
+    bound = 600_000
+    cache = PrefixCache(tok, l1_max_bytes=bound)
+    convs = [material[i * 40_000 : i * 40_000 + 30_000] for i in range(6)]
+    for turn in range(4):
+        for c in range(len(convs)):
+            convs[c] += material[300_000 + 900 * (turn * 6 + c) :][:900]
+            r = cache.encode(convs[c])
+            assert np.array_equal(r.ids, tok.encode(convs[c]))
+            tally(tok, "cache")
+            assert cache._bytes == accounted(cache) <= bound
+            assert cache._hot_bytes == sum(h.charge for h in cache._hot.values()) <= bound
+            assert len(cache._hot) <= pc.HOT_STATES
+    assert cache.stats().evictions["l1"] == 0 or not cache._hot  # live sessions went before any entry
+    cache.clear()
+    assert cache._bytes == 0 and not cache._hot and cache._hot_bytes == 0
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_conversations_through_live_sessions(name, material, tally, data):
+    """Random appends, retries, resends and cuts of a few interleaved conversations (small blocks:
+    the hot path's block arithmetic at every offset), against the model."""
+    tok = get_tokenizer(name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pc, "BLOCK_BYTES", 64)
+        mp.setattr(pc, "ID_BLOCK", 64)
+        mp.setattr(pc, "HOT_STATES", data.draw(st.sampled_from([1, 2, 8]), label="hot states"))
+        m = Model(tok, PrefixCache(tok))
+        start = data.draw(st.integers(0, len(material) - 3000), label="start")
+        convs = [material[start : start + 700] + f" conversation {c}." for c in range(3)]
+        for _ in range(data.draw(st.integers(3, 12), label="ops")):
+            c = data.draw(st.integers(0, 2), label="conv")
+            kind = data.draw(st.sampled_from(["append", "append", "retry", "resend", "cut"]), label="kind")
+            piece = data.draw(adversarial_text, label="piece")
+            if kind == "append":
+                convs[c] += piece
+            elif kind == "retry":
+                convs[c] = convs[c][: max(0, len(convs[c]) - data.draw(st.integers(1, 200)))] + piece
+            elif kind == "cut":
+                convs[c] = convs[c][: data.draw(st.integers(0, len(convs[c])), label="cut at")]
+            m.encode(convs[c])
+            tally(tok, "cache")
+        assert m.cache._bytes == accounted(m.cache)
+
+
+def test_stateless_benchmark_smoke(monkeypatch, capsys):
+    """`bench/stateless.py` end to end on tiny sizes: every engine runs, every result is checked."""
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent))
+    stateless = pytest.importorskip("bench.stateless")
+    rc = stateless.main(["--sizes", "12000", "--calls", "4", "--convs", "2", "--turns", "3", "--restart-size", "20000"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "every checked result equals the reference" in out and "| prefix-cache |" in out
+    assert "bench" in sys.modules

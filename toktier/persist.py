@@ -11,7 +11,9 @@ session's :meth:`toktier.Session.certificate`, closed by a CRC-32 checksum over 
 This module owns the format only: :func:`encode_record` / :func:`decode_record` convert
 bytes, :func:`write_record` / :func:`read_record` move them to and from a path they are
 given (write: temp file, fsync, atomic rename, fsync of the directory, so a crash leaves the
-old record or the new one, never a torn one), and :func:`restore_session` turns a record
+old record or the new one, never a torn one), :func:`split_records` cuts a concatenation of
+records (a tokenizer cache's file: one record per cached entry, session id ``""``) back into
+records, and :func:`restore_session` turns a record
 back into a :class:`~toktier.Session` through ``Session.from_state`` (an O(N) tiling check
 under the certificate, no encode).  Which files exist, when they are written and what a
 failed restore costs are the server's business.
@@ -44,7 +46,7 @@ import secrets
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Union
+from typing import Iterator, Union
 
 import numpy as np
 
@@ -176,9 +178,13 @@ def restore_session(tok: FrozenTokenizer, rec: SessionRecord, **kwargs: object) 
 
 
 def write_record(path: str, rec: SessionRecord) -> int:
-    """Write ``rec`` to ``path`` crash-safely (temp file in the same directory, fsync, rename,
+    """Write ``rec`` to ``path`` crash-safely (see :func:`write_bytes`); returns the bytes written."""
+    return write_bytes(path, encode_record(rec))
+
+
+def write_bytes(path: str, data: bytes) -> int:
+    """Write ``data`` to ``path`` crash-safely (temp file in the same directory, fsync, rename,
     fsync of the directory); returns the bytes written.  The file is created 0600."""
-    data = encode_record(rec)
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -200,6 +206,29 @@ def write_record(path: str, rec: SessionRecord) -> int:
     finally:
         os.close(dfd)
     return len(data)
+
+
+def split_records(data: bytes) -> Iterator[memoryview]:
+    """The records of a concatenation of encoded records (a tokenizer cache's file), each as
+    its own bytes for :func:`decode_record`, by the sizes in each record's prefix.  Raises
+    :class:`CorruptRecord` where the sizes run past the end (the records before it are yielded:
+    each is checked on its own by its checksum).
+
+    >>> tok_rec = lambda text: SessionRecord("h", "t", "all", 0, "", 0, 0, text, np.zeros(0, np.uint32), "")
+    >>> [decode_record(r).text for r in split_records(encode_record(tok_rec(b"a")) + encode_record(tok_rec(b"bc")))]
+    [b'a', b'bc']
+    """
+    view = memoryview(data)
+    at = 0
+    while at < len(view):
+        if len(view) - at < _PREFIX.size + _DIGEST:
+            raise CorruptRecord(f"{len(view) - at} trailing bytes are not a record")
+        _magic, _version, _zero, n_header, n_text, n_ids = _PREFIX.unpack_from(view, at)
+        end = at + _PREFIX.size + n_header + n_text + 4 * n_ids + _DIGEST
+        if n_header > _MAX_HEADER or end > len(view):
+            raise CorruptRecord("record sizes run past the end of the data")
+        yield view[at:end]
+        at = end
 
 
 def read_record(path: str) -> SessionRecord:

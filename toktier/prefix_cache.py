@@ -42,16 +42,34 @@ tail becomes an edit, spliced with its certificate or re-encoded by the full pat
 the reference's whatever was cached.  The matched entry is never mutated; the new text becomes
 a new entry sharing the matched one's nodes.
 
+Live sessions (the hot path).  The session that produced an entry stays live with it for the
+``HOT_STATES`` most recent entries, together with the request's str.  A request is first compared
+with those texts as str (``startswith``: memcmp, no UTF-8 conversion, no hashing): when one is a
+prefix of it (the agent's next turn), or shares the longest prefix with it (a retry, a branch),
+and no stored entry shares more (checked at that text's last shared node, as L1 would), the
+request is answered from that session: only the unmatched rest is converted to UTF-8 and repaired
+as an edit, only its new blocks are hashed and stored.  An extension moves the session on to the
+new entry (no copy), and so does a retry (its last turn replaced); a branch that parts further
+back repairs a copy and leaves the original live.  A stored text sent again after a retry (an L0
+hit) is repaired back from the retry's session the same way.  Anything else takes the general
+path above, whose session then becomes live.  So an agent's call costs a memcmp of its text plus
+the repair, not an O(N) conversion, hashing and copy.
+
 Memory.  Bounded in bytes, LRU: `l1_max_bytes` bounds the entry store (text and id nodes charged
 once each however many entries share them, each entry's private tail, checkpoints and spans,
 plus estimated per-object overheads for the indexes, ``*_OVERHEAD`` below).  L0 holds no data of
 its own: it is an index of keys into the store (``L0_KEY_BYTES`` each), bounded by count; an entry
-evicted from the store leaves L0 too.  Entries in use by a concurrent call are skipped by eviction
-until that call ends (a short, bounded overshoot).
+evicted from the store leaves L0 too.  Live sessions are charged to the same bound (their buffers
+and the str they keep, ``HOT_OVERHEAD`` each) and are dropped first, least recent first, when the
+store needs room: under memory pressure the cache loses speed before it loses entries.  Entries
+in use by a concurrent call are skipped by eviction until that call ends (a short, bounded
+overshoot).
 
 Threads.  `encode` may be called from several threads: one lock guards the indexes and counters;
-tokenization (the repair or the full encode) and the O(N) copies run outside it.  Results never
-alias the cache: `CacheResult.ids` is a new array the caller owns.
+tokenization (the repair or the full encode) and the O(N) copies run outside it.
+`CacheResult.ids` is a read-only view of a live session's buffer (no copy per call); a live
+session about to change copies its buffer first when a view handed out earlier may still be held
+(copy-on-write), so a result never changes, however long it is kept.
 
 Defaults.  Both layers on: unlike a boundary cache that trusts its splice, these answers are the
 reference's by construction, so caching costs memory, never correctness.  ``l1_max_bytes`` 256 MiB
@@ -61,10 +79,11 @@ holds ~100M distinct characters of context (about 2 bytes per character: text pl
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Iterator, Literal, TypeVar
 
 import numpy as np
 
@@ -72,17 +91,20 @@ from .errors import InvalidCacheConfig
 from .fullpath import FullPath
 from .offsets import STRIDE
 from .registry import FrozenTokenizer
-from .session import Session, _to_utf8
+from .session import Session, _byte_offset, _to_utf8
 
 BLOCK_BYTES = 4096  # text block = anchor spacing: one hash call and one node per 4 KiB
 ID_BLOCK = 1024  # tokens per id node (a multiple of STRIDE: checkpoints split with the ids)
 MAX_CANDIDATES = 32  # entries and child blocks compared at the matched node (most recent first)
 HEADROOM = 4096  # spare token capacity of a repair session (a turn's append fits without regrowth)
+HOT_STATES = 8  # repair sessions kept live (the latest entries': one per active conversation)
+HOT_STEAL_BYTES = 1 << 16  # a live session replaces at most this (or 1/8 of its text) in place, else a copy
 # Estimated CPython overheads (objects, dict slots, array headers), charged with the data:
 TEXT_NODE_OVERHEAD = 384
 ID_NODE_OVERHEAD = 320
 ENTRY_OVERHEAD = 768
 L0_KEY_BYTES = 160
+HOT_OVERHEAD = 2048  # a live Session's objects besides its buffers
 
 assert ID_BLOCK % STRIDE == 0
 
@@ -93,7 +115,8 @@ Layer = Literal["l0", "l1", "miss"]
 class CacheResult:
     """One `PrefixCache.encode` answer.
 
-    `ids` equals ``tokenizer.encode(text)`` and is a new array the caller owns.  `first_changed`
+    `ids` equals ``tokenizer.encode(text)``: read-only, and never changed by later calls (copy
+    it to write to it).  `first_changed`
     is the first token index where `ids` differ from the matched entry's (the KV reuse point;
     0 on a miss, ``len(ids)`` on an exact hit); `reused_chars` the characters of the text covered by
     ``ids[:first_changed]`` (a character split across that token boundary is not counted).
@@ -213,6 +236,89 @@ def _path(leaf: _Node | None) -> list[_Node]:
     return out
 
 
+class _Hot:
+    """A live repair session whose state is exactly `entry`'s, with the entry's text as the caller's str
+    (compared with a request by memcmp, no UTF-8 conversion) and the entry's node paths."""
+
+    __slots__ = ("entry", "text", "session", "path", "id_path", "charge")
+
+    def __init__(self, entry: _Entry, text: str, session: Session, path: list[_TextNode],
+                 id_path: list[_IdNode]) -> None:
+        self.entry, self.text, self.session, self.path, self.id_path = entry, text, session, path, id_path
+        self.charge = session.nbytes + sys.getsizeof(text) + 8 * (len(path) + len(id_path)) + HOT_OVERHEAD
+
+
+def _common_chars(a: str, b: str) -> int:
+    """Length of the common prefix of two str: a binary search whose probes are memcmp (`startswith`
+    of a slice of `b` at an offset of `a`): about one copy and one compare of the shared part."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the answer is at most hi
+    while hi - lo > 64:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid - 1
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+def _exact_below(node: _TextNode, rest: bytes) -> _Entry | None:
+    """The repairable entry whose text is `node`'s prefix followed by exactly `rest`, if stored:
+    down `rest`'s whole blocks through `node`'s subtree, then a tail equal to the remainder."""
+    B = BLOCK_BYTES
+    k = 0
+    while len(rest) - k >= B:
+        node = next((c for c in node.children.values() if rest.startswith(c.data, k)), None)
+        if node is None:
+            return None
+        k += B
+    tail = rest[k:]
+    return next((e for e in node.terminal if e.repairable and e.tail == tail), None)
+
+
+def _handed_out(ids: np.ndarray) -> np.ndarray:
+    """A result's IDs: a read-only view of a session's buffer (no copy; `_unshare` protects it)."""
+    ids.flags.writeable = False
+    return ids
+
+
+def _unshare(session: Session) -> None:
+    """Copy-on-write before a live session changes: when a view handed out earlier (a result the
+    caller still holds, or anything derived from it) references its id buffer, the session gets a
+    private copy first.  Every such view references the buffer (numpy views keep their owner), so
+    a reference count above the session's own and the call's means one may exist."""
+    buf = session._ids._buf
+    if sys.getrefcount(buf) > 3:  # the GrowableU32's slot, `buf`, getrefcount's argument
+        session._ids._buf = buf.copy()
+
+
+def _path_onto(leaf: _Node | None, prefix: list[_Node], length: int) -> list[_Node]:
+    """`_path(leaf)` (of `length` nodes) reusing `prefix`, a path known to share its top: walks up only
+    to where the two meet (O(new nodes))."""
+    out = []
+    k = length
+    while leaf is not None and not (k <= len(prefix) and leaf is prefix[k - 1]):
+        out.append(leaf)
+        leaf = leaf.parent
+        k -= 1
+    out.reverse()
+    return prefix[:k] + out
+
+
+def _chain_into(anchors: list[int], data: bytes) -> int:
+    """Append to `anchors` (those of the text before `data`, which starts at a block boundary) the
+    anchors of `data`'s whole blocks; return the text's key (the last anchor chained with the tail)."""
+    B = BLOCK_BYTES
+    mv = memoryview(data)
+    h = anchors[-1] if anchors else 0
+    k = 0
+    for k in range(B, len(data) + 1, B):
+        h = _chain(h, mv[k - B : k])
+        anchors.append(h)
+    return _chain(h, mv[k:])
+
+
 def _positive_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise InvalidCacheConfig(f"{name} must be an integer >= {minimum}, not {value!r}")
@@ -250,6 +356,8 @@ class PrefixCache:
         self._nodes: dict[int, _TextNode] = {}
         self._lru: OrderedDict[_Entry, None] = OrderedDict()
         self._l0: OrderedDict[int, _Entry] = OrderedDict()
+        self._hot: OrderedDict[_Entry, _Hot] = OrderedDict()  # LRU, charged in _bytes, evicted first
+        self._hot_bytes = 0
         self._bytes = 0
         self._lookups = {(layer, res): 0 for layer in ("l0", "l1") for res in ("hit", "miss")}
         self._evictions = {"l0": 0, "l1": 0}
@@ -259,6 +367,10 @@ class PrefixCache:
     # -- public -----------------------------------------------------------------------------
     def encode(self, text: str) -> CacheResult:
         """``tokenizer.encode(text)``, reusing any cached entry that shares a prefix with `text`."""
+        if self._hot and isinstance(text, str):
+            r = self._encode_hot(text)
+            if r is not None:
+                return r
         data = _to_utf8(text)
         nchars = len(text)
         B = BLOCK_BYTES
@@ -292,8 +404,9 @@ class PrefixCache:
             return CacheResult(ids, "l0", nchars, len(ids))
         if match is None:
             session = Session(self.tokenizer, text, window=self._window, full_path=self._full_path)
-            self._store(session, data, nchars, text.isascii(), anchors, key, None)
-            ids = session._parts()[0]
+            ids = _handed_out(session.ids)
+            stored = self._store(session, data, nchars, text.isascii(), anchors, key, None)
+            self._keep_hot(stored, text, session, None)
             return CacheResult(ids, "miss", 0, 0)
         entry, common, path = match
         try:
@@ -307,9 +420,12 @@ class PrefixCache:
             op = session._sync_utf8(data, nchars, common)
             b = session._raw_start(op.first_changed) or 0
             reused = b if text.isascii() else self._chars_before(path, data, b)
-            self._store(session, data, nchars, text.isascii(), anchors, key, (path, id_path, common, op.first_changed),
-                        fallback=op.path.value == "full", reused_bytes=b)
-            return CacheResult(op.ids, "l1", reused, op.first_changed)
+            ids = _handed_out(op.ids)
+            stored = self._store(session, data, nchars, text.isascii(), anchors, key,
+                                 (path, id_path, common, op.first_changed), fallback=op.path.value == "full",
+                                 reused_bytes=b)
+            self._keep_hot(stored, text, session, None)
+            return CacheResult(ids, "l1", reused, op.first_changed)
         finally:
             with self._lock:
                 entry.pins -= 1
@@ -410,6 +526,143 @@ class PrefixCache:
             stack.extend(n.children.values())
         return None
 
+    # -- hot states: a request sharing most of a recent entry's text ----------------------------
+    def _encode_hot(self, text: str) -> CacheResult | None:
+        """The answer from a live session when a hot entry's text is the longest cached prefix of
+        `text` (None: the general path decides).  The shared part is compared as str (memcmp) and
+        never converted or hashed; only the rest is converted to UTF-8."""
+        B = BLOCK_BYTES
+        n = len(text)
+        with self._lock:
+            best, m = None, 0
+            for h in reversed(self._hot.values()):  # a whole hot text first: the agent's append
+                k = h.entry.nchars
+                if m < k <= n and text.startswith(h.text):
+                    best, m = h, k
+            if best is None:  # a retry or a branch: the longest common prefix with a hot text
+                for h in reversed(self._hot.values()):
+                    if m == n:
+                        break
+                    if len(h.text) <= m or h.text[m] != text[m]:
+                        continue  # its common prefix is at most m: not worth an O(m) compare
+                    k = _common_chars(text, h.text)
+                    if k > m:
+                        best, m = h, k
+                if best is None:
+                    return None
+            entry, session = best.entry, best.session
+            if m == n == entry.nchars:  # the same text again
+                ids = _handed_out(session.ids)
+                l0 = self._enable_l0 and entry.in_l0 and self._l0.get(entry.l0_key) is entry
+                if l0:
+                    self._l0.move_to_end(entry.l0_key)
+                elif self._enable_l0:
+                    self._lookups["l0", "miss"] += 1
+                layer = "l0" if l0 else "l1"
+                self._lookups[layer, "hit"] += 1
+                self._reused[layer] += entry.nbytes
+                self._touch(entry)
+                self._hot.move_to_end(entry)
+                return CacheResult(ids, layer, n, len(ids))
+            mb = entry.nbytes if m == entry.nchars else _byte_offset(session._text, entry.nchars, m)
+            path = best.path
+            d = min(mb // B, len(path))
+            if d == 0:
+                return None  # less than a block in common: not an L1 hit from this entry
+            sdata = _to_utf8(text[m:])
+            with memoryview(session._text) as mv:
+                rest = bytes(mv[d * B : mb]) + sdata  # the text's UTF-8 from block d on
+            own = mb - d * B
+            node = path[d - 1]
+            # An entry holding the very text (a retry's original sent again) is served from this
+            # session too; otherwise one sharing more than this one would pass through `node`: its
+            # tail or a child block.
+            exact = _exact_below(node, rest)
+            if exact is None:
+                for i, other in enumerate(reversed(node.terminal)):
+                    if i == MAX_CANDIDATES:
+                        break
+                    if other is not entry and other.repairable and _common(other.tail, rest, 0) > own:
+                        return None
+                mine = path[d] if d < len(path) else None
+                for i, child in enumerate(reversed(node.children.values())):
+                    if i == MAX_CANDIDATES:
+                        break
+                    if child is not mine and _common(child.data, rest, 0) > own:
+                        return None
+            l0 = exact is not None and self._enable_l0 and exact.in_l0 and self._l0.get(exact.l0_key) is exact
+            if self._enable_l0 and not l0:
+                self._lookups["l0", "miss"] += 1
+            self._lookups["l0" if l0 else "l1", "hit"] += 1
+            entry.pins += 1
+            self._touch(entry)
+            if exact is not None:
+                exact.pins += 1
+                self._touch(exact)
+                if l0:
+                    self._l0.move_to_end(exact.l0_key)
+                self._reused["l0" if l0 else "l1"] += len(rest) + d * B
+            if entry.nbytes - mb <= max(HOT_STEAL_BYTES, entry.nbytes >> 3):
+                # an extension, or a retry of its last turn: the live session moves on to the new text
+                self._unhot(entry)
+            else:  # a branch far back: the hot entry stays live (as the least recent), a copy is repaired
+                self._hot.move_to_end(entry, last=False)
+                ids, cps, dirty = session._parts()
+                session = Session._adopt(self.tokenizer, bytearray(session._text), entry.nchars, entry.ascii, [ids],
+                                         [cps], dirty, window=self._window, full_path=self._full_path,
+                                         headroom=HEADROOM)
+        try:
+            _unshare(session)
+            op = session._apply(mb, entry.nbytes, sdata, n - entry.nchars)
+            ids = _handed_out(op.ids)
+            if exact is not None:  # stored already: the session becomes its live one
+                self._keep_hot(exact, text, session, None)
+                return CacheResult(ids, "l0" if l0 else "l1", n, len(ids))
+            b = session._raw_start(op.first_changed)
+            with memoryview(session._text) as mv:
+                if b is None:
+                    b = reused = 0
+                elif b <= mb:
+                    reused = m - _char_starts(mv[b:mb])
+                else:
+                    reused = m + _char_starts(mv[mb:b])
+                off = d * B if session._parts()[1] is not None else 0  # a state that does not tile: whole
+                new = bytes(mv[off:])
+            anchors = [x.key for x in path[:d]] if off else []
+            key = _chain_into(anchors, new)
+            stored = self._store(session, new, n, text.isascii(), anchors, key,
+                                 (path, best.id_path, mb, op.first_changed), fallback=op.path.value == "full",
+                                 reused_bytes=b, data_offset=off)
+            if stored is not None and stored.repairable and off and stored.text_leaf is not None:
+                paths = (_path_onto(stored.text_leaf, path, stored.text_leaf.depth),
+                         _path_onto(stored.id_leaf, best.id_path, stored.ntokens // ID_BLOCK))
+                self._keep_hot(stored, text, session, paths)
+            return CacheResult(ids, "l1", reused, op.first_changed)
+        finally:
+            with self._lock:
+                entry.pins -= 1
+                if exact is not None:
+                    exact.pins -= 1
+                self._evict()
+
+    def _keep_hot(self, entry: _Entry | None, text: str, session: Session,
+                  paths: tuple[list[_TextNode], list[_IdNode]] | None) -> None:
+        """Keep `session` (whose state is exactly `entry`'s) live for the next request extending it."""
+        if entry is None or HOT_STATES <= 0 or not self._enable_l1 or not entry.repairable or entry.text_leaf is None:
+            return  # (an entry shorter than a block is found by L0 alone: its whole-text hash is cheap)
+        path, id_path = paths or (_path(entry.text_leaf), _path(entry.id_leaf))
+        hot = _Hot(entry, text, session, path, id_path)
+        with self._lock:
+            if entry not in self._lru:
+                return  # evicted meanwhile
+            self._unhot(entry)
+            self._hot[entry] = hot
+            self._bytes += hot.charge
+            self._hot_bytes += hot.charge
+            while len(self._hot) > HOT_STATES:
+                self._unhot(next(iter(self._hot)))
+            self._evict()
+
     # -- repair -----------------------------------------------------------------------------
     def _session_of(self, entry: _Entry, path: list[_TextNode], id_path: list[_IdNode]) -> Session:
         text = bytearray().join([n.data for n in path] + [entry.tail])
@@ -432,22 +685,26 @@ class PrefixCache:
     # -- store (takes the lock) -------------------------------------------------------------
     def _store(self, session: Session, data: bytes, nchars: int, ascii_only: bool, anchors: list[int], key: int,
                base: tuple[list[_TextNode], list[_IdNode], int, int] | None, *, fallback: bool = False,
-               reused_bytes: int = 0) -> None:
-        """Keep `session`'s state (the encoding of `data`) as a new entry sharing `base`'s nodes.
+               reused_bytes: int = 0, data_offset: int = 0) -> _Entry | None:
+        """Keep `session`'s state (the encoding of `data`) as a new entry sharing `base`'s nodes; the
+        entry holding that state now (None: not stored).
 
-        `base`: (the matched text path, its id path, bytes in common, first changed token)."""
+        `base`: (the matched text path, its id path, bytes in common, first changed token).
+        `data_offset`: `data` is the text's UTF-8 from that byte on (a multiple of ``BLOCK_BYTES``, at
+        most base's shared blocks: the bytes before it are in base's nodes)."""
         ids, cps, dirty = session._parts()
         repairable = self._repairable and cps is not None
         B, M = BLOCK_BYTES, ID_BLOCK
+        off = data_offset
         with self._lock:
             if base is not None:
                 self._reused["l1"] += reused_bytes
                 self._fallbacks += fallback
             if self._max_bytes == 0:
                 self._not_stored += 1
-                return
+                return None
             if not self._enable_l0 and not (repairable and anchors):
-                return  # nothing could ever find it: L1 needs a whole block and a repairable state
+                return None  # nothing could ever find it: L1 needs a whole block and a repairable state
             created: list[_TextNode] = []
             parent: _TextNode | None = None
             depth = 0
@@ -458,28 +715,28 @@ class PrefixCache:
                 for k in range(depth, len(anchors)):
                     node = self._nodes.get(anchors[k])
                     if node is not None:
-                        if node.parent is parent and node.depth == k + 1 and data.startswith(node.data, k * B):
+                        if node.parent is parent and node.depth == k + 1 and data.startswith(node.data, k * B - off):
                             parent, depth = node, k + 1
                             continue
                         self._collisions += 1  # the rest of the text stays in the tail
                         break
-                    node = _TextNode(anchors[k], k + 1, data[k * B : (k + 1) * B], parent)
+                    node = _TextNode(anchors[k], k + 1, data[k * B - off : (k + 1) * B - off], parent)
                     self._nodes[node.key] = node
                     if parent is not None:
                         parent.children[node.key] = node
                     self._bytes += len(node.data) + TEXT_NODE_OVERHEAD
                     created.append(node)
                     parent, depth = node, k + 1
-            tail = data[depth * B :]
+            tail = data[depth * B - off :]
             if not created and parent is not None:
                 for other in parent.terminal:  # the same text stored already (a concurrent call, an
                     if other.tail == tail:      # evicted L0 key): keep one copy
                         self._touch(other)
                         self._index_l0(key, other)
-                        return
+                        return other
             entry = _Entry()
             entry.l0_key, entry.text_leaf, entry.tail = key, parent, tail
-            entry.nbytes, entry.nchars, entry.ascii = len(data), nchars, ascii_only
+            entry.nbytes, entry.nchars, entry.ascii = off + len(data), nchars, ascii_only
             entry.ntokens, entry.dirty, entry.pins, entry.in_l0 = len(ids), dirty, 0, False
             # IDs: keep the matched entry's id nodes before the first changed token, add the rest.
             shared = min(base[3] // M, len(base[1])) if base is not None and repairable else 0
@@ -505,9 +762,10 @@ class PrefixCache:
             self._index_l0(key, entry)
             self._evict()
             if entry in self._lru:
-                return
+                return entry
             self._not_stored += 1  # larger than the whole bound: evicted at once
             self._evictions["l1"] -= 1
+            return None
 
     def _index_l0(self, key: int, entry: _Entry) -> None:
         if not self._enable_l0:
@@ -531,6 +789,8 @@ class PrefixCache:
             leaf.terminal[entry] = None
 
     def _evict(self) -> None:
+        while self._bytes > self._max_bytes and self._hot:  # live sessions first: only speed is lost
+            self._unhot(next(iter(self._hot)))
         while self._bytes > self._max_bytes:
             victim = next((e for e in self._lru if not e.pins), None)
             if victim is None:
@@ -538,9 +798,16 @@ class PrefixCache:
             self._drop(victim)
             self._evictions["l1"] += 1
 
+    def _unhot(self, entry: _Entry) -> None:
+        hot = self._hot.pop(entry, None)
+        if hot is not None:
+            self._bytes -= hot.charge
+            self._hot_bytes -= hot.charge
+
     def _drop(self, entry: _Entry) -> None:
         del self._lru[entry]
         self._bytes -= entry.charge
+        self._unhot(entry)
         if entry.in_l0 and self._l0.get(entry.l0_key) is entry:
             del self._l0[entry.l0_key]
         entry.in_l0 = False
@@ -561,3 +828,46 @@ class PrefixCache:
             inode = inode.parent
             if inode is not None:
                 inode.users -= 1
+
+    # -- persistence (additive: a server writes entries behind and adopts them after a restart) --
+    def entries(self) -> Iterator[tuple[bytes, np.ndarray]]:
+        """``(text as UTF-8, ids)`` of every stored entry, most recently used first: what a server
+        writes so that the cache outlives its process (`adopt` takes them back).
+
+        The list of entries is taken under the lock; each is materialized (O(its size)) when the
+        iterator reaches it, outside the lock (entries are immutable, so one evicted meanwhile
+        still reads whole).  The arrays are new, the caller's to keep."""
+        with self._lock:
+            live = list(reversed(self._lru))
+        for entry in live:
+            text = b"".join([n.data for n in _path(entry.text_leaf)] + [entry.tail])
+            yield text, self._materialize_ids(_path(entry.id_leaf), entry)
+
+    def adopt(self, text: str | bytes, ids: np.ndarray, certificate: str) -> None:
+        """Store a ``(text, ids)`` state written earlier (`entries`, with its
+        ``toktier.session.state_certificate``) as an entry, as if `encode` had just tokenized it.
+
+        Checked the way `Session.from_state` checks a session's state: the certificate must be
+        this tokenizer's over exactly this text and these IDs, then an O(N) tiling check (no
+        encode); without it the text is encoded once and must give `ids`.  Raises
+        `toktier.InvalidState` (nothing stored) when `ids` are not the reference encoding of
+        `text`.  Counts no lookup; subject to the byte bound like any entry."""
+        data = _to_utf8(text) if isinstance(text, str) else bytes(text)
+        nchars = len(data) if data.isascii() else len(data.decode("utf-8"))
+        session = Session._from_state_utf8(self.tokenizer, data, nchars, ids, certificate=certificate,
+                                           window=self._window, full_path=self._full_path)
+        anchors, key = self._anchors_of(data)
+        self._store(session, data, nchars, data.isascii(), anchors, key, None)
+
+    @staticmethod
+    def _anchors_of(data: bytes) -> tuple[list[int], int]:
+        """The block anchors and the whole-text key of `data`, as `encode` computes them (kept
+        apart from `encode`'s inlined loop, which is tuned on its own)."""
+        B = BLOCK_BYTES
+        mv = memoryview(data)
+        anchors: list[int] = []
+        h = 0
+        for lo in range(0, len(data) - B + 1, B):
+            h = _chain(h, mv[lo : lo + B])
+            anchors.append(h)
+        return anchors, _chain(h, mv[len(anchors) * B :])

@@ -75,6 +75,8 @@ from .registry import FrozenTokenizer
 MAX_WIDENINGS = 5
 MAX_EDGE_STEPS = 64  # characters an NFC window edge may move to reach an NFC-inert one
 MAX_TEXT_BYTES = 1 << 32  # token start offsets are uint32
+PRIME_HEADROOM = 4096  # tokens (and 8x as many text bytes) of spare room in a restored session
+PRIME_SPARE_TEXT = 1 << 18  # from this size a primed text gets spare room (one copy less at its first op)
 
 
 class RepairPath(str, enum.Enum):
@@ -272,13 +274,20 @@ class Session:
         return s
 
     def _prime(self, data: bytes, nchars: int, ids: np.ndarray) -> None:
-        """Install a state known to be the reference encoding of `data`."""
-        self._ids.reserve(len(ids))
+        """Install a state known to be the reference encoding of `data` (with room for the next op's
+        tokens and text, so that the first op after a restore does not copy the state again)."""
+        self._ids.reserve(len(ids) + PRIME_HEADROOM)
         if self._spliceable:
-            self._starts.reserve_for(len(ids))
+            self._starts.reserve_for(len(ids) + PRIME_HEADROOM)
             self._install_offsets(ids, data)
         self._ids.assign(ids)
-        self._text[:] = data
+        if len(data) >= PRIME_SPARE_TEXT:  # allocated with spare room, which `del` keeps (< half of it)
+            text = bytearray(len(data) + 8 * PRIME_HEADROOM)
+            text[: len(data)] = data
+            del text[len(data) :]
+            self._text = text
+        else:
+            self._text[:] = data
         self._nchars = nchars
         self._ascii = data.isascii()
 

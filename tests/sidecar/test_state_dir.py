@@ -24,7 +24,7 @@ from toktier_client import protocol as P
 from toktier_sidecar import Sidecar
 from toktier_sidecar.cli import main as cli_main
 from toktier_sidecar.statedir import InsecureStateDir, ensure_state_dir, record_name
-from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)
+from sidecar_harness import llama3, registry, sidecar, start_sidecar, wait_until  # noqa: F401  (fixtures)
 from sidecar_harness import make_config, shm_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,7 +53,7 @@ def wait_for_record(state_dir, session: str, seq: int, timeout: float = 30) -> S
 def restores(st) -> dict[str, float]:
     reg = st.sidecar.metrics.registry
     return {r: reg.get_sample_value("toktier_state_restore_total", {"result": r}) or 0.0
-            for r in ("ok", "corrupt", "foreign", "stale", "invalid", "error")}
+            for r in ("ok", "corrupt", "foreign", "stale", "invalid", "error", "store_error")}
 
 
 def full_encodes(st) -> int:
@@ -229,7 +229,8 @@ def test_record_that_is_not_the_reference_is_invalid_without_recovery(start_side
         with pytest.raises(SessionMiss):  # without recovery the miss is the caller's: never wrong IDs
             s.append("!")
     assert restores(st)["invalid"] == 1
-    assert not os.path.exists(record_path(state, "liar"))
+    # the writer thread removes the refused record after the reply
+    assert wait_until(lambda: not os.path.exists(record_path(state, "liar")))
 
 
 def test_stale_record_is_a_miss_not_older_ids(start_sidecar, tmp_path, llama3):
