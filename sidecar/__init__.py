@@ -5,6 +5,7 @@ inference engine and hands their token IDs over in shared memory.
 
 * :mod:`toktier_sidecar.connection`: sans-IO protocol state (framing, handshake, limits)
 * :mod:`toktier_sidecar.service`: session logic over :mod:`toktier` and the store
+* :mod:`toktier_sidecar.conversations`: the conversation ops (``toktier.Conversation``), in the same store
 * :mod:`toktier_sidecar.shm`: shared-memory arenas (layout, lifetimes)
 * :mod:`toktier_sidecar.server`: the asyncio adapter (lanes, workers, admission, shutdown)
 * :mod:`toktier_sidecar.shadow`: the background verifier (sampling, bounded queue, worker thread,

@@ -8,9 +8,15 @@ with the same structured fields (``SessionMiss.reason``).
 from __future__ import annotations
 
 from toktier.errors import (
+    ChatTemplateError,
+    ChatTemplateMissing,
+    InvalidChatInput,
+    InvalidConversationOp,
     InvalidEditRange,
     InvalidState,
     InvalidText,
+    InvalidTokenIds,
+    JunctionUnavailable,
     ReferenceEngineError,
     TokenizerDataMissing,
     TokTierError,
@@ -80,6 +86,14 @@ _CORE_CODES: dict[type[BaseException], ErrorCode] = {
     # client re-raises it as its own ReferenceEngineError (a RuntimeError, as in the core).
     ReferenceEngineError: ErrorCode.REFERENCE_ENGINE_ERROR,
     InvalidState: ErrorCode.INVALID_STATE,
+    # Conversations (toktier.chat, toktier.Conversation): the template or the messages are the
+    # caller's to fix; the client re-raises each as its own class of the same name.
+    ChatTemplateMissing: ErrorCode.CHAT_TEMPLATE_MISSING,
+    ChatTemplateError: ErrorCode.CHAT_TEMPLATE_ERROR,
+    InvalidChatInput: ErrorCode.INVALID_CHAT_INPUT,
+    InvalidTokenIds: ErrorCode.INVALID_TOKEN_IDS,
+    InvalidConversationOp: ErrorCode.INVALID_CONVERSATION_OP,
+    JunctionUnavailable: ErrorCode.JUNCTION_UNAVAILABLE,
 }
 
 

@@ -75,6 +75,14 @@ class _StateCollector:
         yield routes
         yield CounterMetricFamily("toktier_full_path_chars", "Characters encoded by the full path",
                                   value=s["full_path_chars"])
+        yield GaugeMetricFamily("toktier_conversations_live", "Conversations currently open (in the session "
+                                "store, next to the sessions)", value=s.get("conversations", 0))
+        conv_ended = CounterMetricFamily("toktier_conversations_ended", "Conversations ended, by cause (shutdown: "
+                                         "conversations are never persisted, not even with --state-dir)",
+                                         labels=["cause"])
+        for cause, n in s.get("conversations_ended", {}).items():
+            conv_ended.add_metric([cause], n)
+        yield conv_ended
 
 
 CacheStats = Callable[[], Iterable[tuple[str, toktier.PrefixCacheStats]]]
@@ -175,9 +183,22 @@ class Metrics:
                                  tk, **r)
         self.fallbacks = Counter("toktier_full_path_fallbacks", "Ops on an open session re-tokenized in full, by "
                                  "the core's reason", ["tokenizer", "reason"], **r)
-        self.state_restores = Counter("toktier_state_restore", "Session records (--state-dir) an op tried to "
-                                      "restore after a restart, by result: ok, or a miss (corrupt, foreign, stale, "
-                                      "invalid, error) answered like a session that is not open", ["result"], **r)
+        self.state_restores = Counter("toktier_state_restore", "Session records (--state-dir, --state-store) an "
+                                      "op tried to restore, by result: ok, or a miss (corrupt, foreign, stale, "
+                                      "invalid, error, store_error) answered like a session that is not open",
+                                      ["result"], **r)
+        self.state_store_ops = Counter("toktier_state_store_ops", "Calls to the shared state store (--state-store), "
+                                       "by op (get, set, delete, ping) and result (ok, miss, too_large, error, "
+                                       "skipped: not tried during the backoff after an error)", ["op", "result"], **r)
+        self.cache_restores = Counter("toktier_tokenizer_cache_restored_entries", "Tokenizer cache (L1) entries "
+                                      "read from --state-dir at start, by result: ok, or not adopted (corrupt, "
+                                      "foreign, invalid, error)", ["result"], **r)
+        self.conversation_ops = Counter("toktier_conversation_ops", "Conversation ops applied, by tokenizer and op "
+                                        "(conv_open, conv_append_messages, conv_set_messages, conv_append_generated, "
+                                        "conv_fork, conv_rollback)", ["tokenizer", "op"], **r)
+        self.conversation_drift = Counter("toktier_conversation_drifted_results", "Conversation results whose IDs "
+                                          "drift from the exact re-render of their messages (sampled IDs kept "
+                                          "verbatim)", tk, **r)
         self.registry.register(_StateCollector(snapshot))
         self.registry.register(_InfoCollector(self._tokenizers, verify_rate))
         self.registry.register(_CacheCollector(cache_stats))
@@ -249,6 +270,13 @@ class Metrics:
             widen.inc(widenings)
         if reason is not None:
             self.fallbacks.labels(tokenizer, self._reason_label(tokenizer, reason)).inc()
+
+    def record_conversation(self, tokenizer: str, op: str, drifted: bool) -> None:
+        """Count one applied conversation op (any thread); ``drifted``: its result's IDs differ
+        from the exact re-render of its messages."""
+        self.conversation_ops.labels(tokenizer, op).inc()
+        if drifted:
+            self.conversation_drift.labels(tokenizer).inc()
 
     def _reason_label(self, tokenizer: str, reason: str) -> str:
         seen = self._reasons.setdefault(tokenizer, set())

@@ -27,9 +27,13 @@ moves bytes and decides where work runs, the same way for every request
   thread of their own.
 * At start, before serving, the server takes its instance lock and sweeps the
   segments of its own dead instances (:mod:`toktier_sidecar.shm`).
-* With ``--state-dir`` (:mod:`toktier_sidecar.statedir`) the first op on a session with a
-  record from an earlier run goes through its lane and restores it in a bulk worker first
-  (``_restore``); a record that fails a check is counted and removed, and the op misses.
+* With ``--state-dir`` (:mod:`toktier_sidecar.statedir`) and/or ``--state-store``
+  (:mod:`toktier_sidecar.statestore`) the first op on a session this server does not hold goes
+  through its lane and restores the session's record in a bulk worker first (``_restore``: the
+  directory's record from an earlier run, else the shared store's); a record that fails a check
+  is counted (and removed when it can never serve), and the op misses as without state.  With
+  ``--state-dir`` the tokenizer caches' L1 entries are read back at start, before serving
+  (``_restore_caches``), and written behind every ``state_cache_flush_interval`` seconds.
 
 Run it with ``uvloop.run(Sidecar(config).run())`` (see :mod:`toktier_sidecar.cli`).
 """
@@ -47,8 +51,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Coroutine, Hashable, cast
 
 import toktier
+from toktier.persist import ForeignRecord, decode_record
 from toktier_client import protocol as P
 
+from . import conversations  # noqa: F401  (registers the conversation ops' handlers in HANDLERS)
 from . import sdnotify
 from .config import ServerConfig
 from .connection import BufferBudget, ServerConnection, refusal
@@ -59,7 +65,8 @@ from .metrics import Metrics
 from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, SessionKey, SessionService
 from .shadow import Shadow, ShadowConfig
 from .shm import ArenaPool, InstanceLock, Segment, sweep_stale
-from .statedir import BUSY, Snapshot, StateDir, restore_result
+from .statedir import BUSY, Backend, CacheFiles, Snapshot, StateDir, WriteBehind, check_record, restore_result
+from .statestore import StateStore, StoreUnavailable, parse_store_url
 
 log = logging.getLogger(__name__)
 
@@ -202,9 +209,24 @@ class Sidecar:
             self.service.on_tokenizer_loaded = self.verifier.prepare
         self.service.server_counts = self._counts
         self.service.on_op = self.metrics.record_op
-        self.state: StateDir | None = None
+        self.service.conversations.on_result = self.metrics.record_conversation
+        self.state: WriteBehind | None = None
+        self.state_dir: StateDir | None = None
+        self.state_store: StateStore | None = None
+        self.cache_files: CacheFiles | None = None
+        backends: list[Backend] = []
         if config.state_dir is not None:  # checked here: a bad directory fails before anything starts
-            self.state = StateDir(config.state_dir, ttl=config.session_ttl, flush_delay=config.state_flush_delay)
+            self.state_dir = StateDir(config.state_dir, ttl=config.session_ttl)
+            self.cache_files = CacheFiles(self.state_dir, max_bytes=config.tokenizer_cache_l1_max_memory)
+            backends.append(self.state_dir)
+        if config.state_store is not None:  # so is a bad URL (no connection yet: the store may come later)
+            self.state_store = StateStore(parse_store_url(config.state_store), prefix=config.state_store_prefix,
+                                          ttl=config.session_ttl, max_value=config.state_store_max_value,
+                                          timeout=config.state_store_timeout)
+            self.state_store.on_op = lambda op, result: self.metrics.state_store_ops.labels(op, result).inc()
+            backends.append(self.state_store)
+        if backends:
+            self.state = WriteBehind(backends, flush_delay=config.state_flush_delay)
             self.state.snapshot = self._state_snapshot
             self.service.state = self.state
         self.install_signals = install_signals
@@ -251,7 +273,11 @@ class Sidecar:
         self._pools = {"bulk": self._bulk, "repair": self._repair}
         await loop.run_in_executor(self._loader, self.service.preload)
         if self.state is not None:
-            self.state.scan()
+            self.state.start()
+        if self.state_dir is not None:
+            await self._restore_caches(self.state_dir.scan())
+        if self.state_store is not None:
+            await loop.run_in_executor(self._loader, self.state_store.ping)
         self.welcome = P.Welcome(
             version=P.PROTOCOL_VERSION, server=f"toktier-sidecar/{toktier.__version__}", max_frame=cfg.max_frame,
             max_session_chars=cfg.max_session_chars, max_inflight=cfg.max_inflight,
@@ -279,6 +305,8 @@ class Sidecar:
             loop.add_signal_handler(signal.SIGHUP, self.reenable_fast_paths)
         self._spawn(self._sweeper())
         self._spawn(self._reaper())
+        if self.cache_files is not None:
+            self._spawn(self._cache_writer())
         sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket_path}")
         log.info("serving on %s (default tokenizer %s)", cfg.socket_path, self.service.default_tokenizer)
         self._ready.set()
@@ -313,6 +341,7 @@ class Sidecar:
                 self._drop_handoffs(peer)
             if self.state is not None:  # before the sessions end: their pending changes are written
                 try:
+                    self._write_caches()
                     self.state.close()
                 except Exception:
                     log.exception("writing session records at shutdown failed")
@@ -373,10 +402,12 @@ class Sidecar:
                 continue
             if n:
                 log.info("ended %d idle sessions (TTL)", n)
-            if self.state is not None:
-                n = self.state.expire()
-                if n:
-                    log.info("removed %d session records not restored within the TTL", n)
+            if self.state is not None and self.state_dir is not None:
+                old = self.state_dir.expired()
+                for name in old:
+                    self.state.submit(self.state_dir.remove, name)
+                if old:
+                    log.info("removed %d session records not restored within the TTL", len(old))
 
     def _enter(self) -> None:
         self._busy += 1
@@ -402,7 +433,7 @@ class Sidecar:
         except Exception as exc:
             self._fail(peer, req, handler, exc, time.perf_counter())
             return
-        key = None if sid is None else SessionKey(peer.namespace, sid)
+        key = None if sid is None else handler.key(peer.namespace, sid)
         if self.stopping or ((key is None or self.lanes.idle(key)) and self._inline_ready(handler, req, key)):
             _run_now(self._serve(peer, key, req, handler))  # when stopping: refused at once
         elif key is not None:
@@ -417,7 +448,7 @@ class Sidecar:
         suspend, so it can run on the loop now."""
         if handler.pool is not None and handler.work_chars(self.service, key, req) > self.config.inline_chars:
             return False
-        if key is not None and self._restorable(key):
+        if key is not None and self._restorable(key, req):
             return False  # the record is read and certified in a worker first
         spec = handler.tokenizer(req)
         if spec is None:
@@ -448,7 +479,7 @@ class Sidecar:
                 raise ShuttingDown("the sidecar is shutting down")
             spec = handler.tokenizer(req)
             tok = None if spec is None else await self._tokenizer(*spec)
-            if key is not None and self._restorable(key):
+            if key is not None and self._restorable(key, req):
                 await self._restore(key, req)
             plan = handler.plan(self.service, Call(peer, key, tok), req)
             try:
@@ -483,44 +514,137 @@ class Sidecar:
             except Exception:  # the reply is sent: a verifier failure must not become a second answer
                 log.exception("shadow verifier offer failed")
 
-    # ------------------------------------------------------------ state dir
-    def _restorable(self, key: SessionKey) -> bool:
-        """A record of an earlier run waits for this session, and it is not open here."""
-        return (self.state is not None and bool(self.state.index) and self.service.store.peek(key) is None
-                and self.state.indexed(key))
+    # ------------------------------------------------------------ state that outlives the process
+    def _restorable(self, key: SessionKey, req: P.Request) -> bool:
+        """Loop thread, no I/O: a record may wait for this session, and it is not open here (a
+        record of an earlier run in the state dir, or any session with a shared store)."""
+        if self.state is None or isinstance(req, P.CONVERSATION_OPS) or self.service.store.peek(key) is not None:
+            return False  # conversations are not persisted (toktier_sidecar.conversations)
+        if self.state_store is not None:
+            return not isinstance(req, P.Close)  # a Close deletes the shared record without reading it
+        return self.state_dir is not None and bool(self.state_dir.index) and self.state_dir.indexed(key)
 
     async def _restore(self, key: SessionKey, req: P.Request) -> None:
-        """In the session's lane, before its first op after a restart: read, check and certify
-        its record in a worker (no encode) and open the session from it.  A record that fails
-        any check is counted, removed and treated as absent: the op then misses as it would
-        without a state dir.  A Close forgets the record itself; a recovery re-create
-        (``create_only``) replaces it."""
-        st = self.state
-        assert st is not None
+        """In the session's lane, before its first op here: read, check and certify its record in
+        a worker (no encode) and open the session from it; the state dir's first, then the
+        store's.  A record that fails any check is counted and treated as absent (removed when
+        it can never serve: corrupt, invalid, and the dir's record whatever failed); the op then
+        misses as it would without state.  A Close forgets the record itself; a recovery
+        re-create (``create_only``) replaces it."""
         if isinstance(req, P.Close):
             return
-        path = st.claim(key)
-        if path is None:
-            return
-        if isinstance(req, P.Open) and req.create_only:
-            st.drop(path)
-            return
+        create_only = isinstance(req, P.Open) and req.create_only
         expect = getattr(req, "expect_seq", -1)
+        sd, ss = self.state_dir, self.state_store
+        if sd is not None and sd.claim(key):
+            if create_only:
+                self.state.submit(sd.delete, key)
+                return
+            if await self._restore_from(sd, key, expect):
+                return
+        if ss is not None and not create_only:
+            await self._restore_from(ss, key, expect)
+
+    async def _restore_from(self, backend: Backend, key: SessionKey, expect: int) -> bool:
+        """Restore ``key`` from ``backend``; True when the session is open now."""
+        def load() -> Any:
+            data = backend.load(key)
+            if data is None:
+                return None
+            return self.service.run_restore(check_record(decode_record(data), key), expect)
+
         try:
-            slot = await asyncio.get_running_loop().run_in_executor(
-                self._pools["bulk"], lambda: self.service.run_restore(StateDir.load(path, key), expect))
+            slot = await asyncio.get_running_loop().run_in_executor(self._pools["bulk"], load)
+        except StoreUnavailable:  # counted and logged (once per outage) by the store
+            self.metrics.state_restores.labels("store_error").inc()
+            return False
         except Exception as exc:
             result = restore_result(exc)
             self.metrics.state_restores.labels(result).inc()
-            st.drop(path)
+            if not backend.shared or result in ("corrupt", "invalid"):  # a stale or foreign shared record may
+                self.state.submit(backend.delete, key)                  # serve another client or node
             if result == "error":
-                log.error("restoring session %r failed", key.session[:64], exc_info=exc)
+                log.error("restoring session %r from %s failed", key.session[:64], backend.name, exc_info=exc)
             else:
-                log.warning("session record of %r not used (%s): %s", key.session[:64], result, exc)
-            return
+                log.warning("session record of %r in %s not used (%s): %s", key.session[:64], backend.name, result,
+                            exc)
+            return False
+        if slot is None:
+            return False
+        if self.service.store.peek(key) is not None:  # cannot happen in its lane; never replace a live session
+            slot.arena.release()
+            return True
         self.service.add(key, slot)
         self.metrics.state_restores.labels("ok").inc()
-        log.debug("session %r restored at seq %d (%d tokens)", key.session[:64], slot.seq, slot.session.num_tokens)
+        log.debug("session %r restored from %s at seq %d (%d tokens)", key.session[:64], backend.name, slot.seq,
+                  slot.session.num_tokens)
+        return True
+
+    async def _restore_caches(self, paths: list[str]) -> None:
+        """At start, before serving: adopt the tokenizer caches' L1 entries from their files (in a
+        worker; each entry checked like a session record).  A file of a tokenizer not loaded,
+        or of a namespace written by another configuration, is counted as foreign and left."""
+        if not paths or not self.config.tokenizer_cache_enabled:
+            return
+        t0 = time.perf_counter()
+        try:
+            counts = await asyncio.get_running_loop().run_in_executor(self._loader, self._adopt_cache_files, paths)
+        except Exception:  # a cache is an optimisation: never a reason not to serve
+            log.exception("restoring the tokenizer caches failed; they start empty")
+            self.metrics.cache_restores.labels("error").inc()
+            return
+        for result, n in counts.items():
+            if n:
+                self.metrics.cache_restores.labels(result).inc(n)
+        log.info("tokenizer caches: %d entries restored from %d files in %.0f ms (%s)", counts.get("ok", 0),
+                 len(paths), 1000 * (time.perf_counter() - t0),
+                 ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "ok") or "no misses")
+
+    def _adopt_cache_files(self, paths: list[str]) -> dict[str, int]:
+        """Loader thread, before serving (the caches are created here: nothing else runs yet)."""
+        counts: dict[str, int] = {}
+        for path in paths:
+            try:
+                records, bad = CacheFiles.read(path)
+            except OSError as exc:
+                log.warning("cannot read tokenizer cache file %s: %s", path, exc)
+                counts["corrupt"] = counts.get("corrupt", 0) + 1
+                continue
+            for exc in bad:
+                counts[restore_result(exc)] = counts.get(restore_result(exc), 0) + 1
+            for rec in records:
+                try:
+                    tok = self.service.registry.get(rec.tokenizer_hash)
+                    if os.path.basename(path) != CacheFiles.name(rec.namespace, tok.hash):
+                        raise ForeignRecord("cache entry filed under another namespace or tokenizer")
+                    cache = self.service.prefix_cache(rec.namespace, tok)
+                    if cache is None:
+                        continue
+                    cache.adopt(rec.text, rec.ids, rec.certificate)
+                    result = "ok"
+                except Exception as exc:
+                    result = restore_result(exc)
+                    if result == "error":
+                        log.error("adopting a tokenizer cache entry failed", exc_info=exc)
+                counts[result] = counts.get(result, 0) + 1
+        return counts
+
+    async def _cache_writer(self) -> None:
+        """Write the tokenizer caches that changed, every ``state_cache_flush_interval`` seconds."""
+        while True:
+            await asyncio.sleep(self.config.state_cache_flush_interval)
+            try:
+                self._write_caches()
+            except Exception:
+                log.exception("writing the tokenizer caches failed")
+
+    def _write_caches(self) -> None:
+        """Loop thread: queue a write of every cache that changed (the writer thread reads it)."""
+        if self.cache_files is None or self.state is None:
+            return
+        for key, cache in self.service.caches():
+            if self.cache_files.changed(key, cache):
+                self.state.submit(self.cache_files.write, key, cache)
 
     def _state_snapshot(self, key: SessionKey) -> Snapshot | str | None:
         """The state dir's snapshot hook: BUSY while an op on the session runs or waits."""

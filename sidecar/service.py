@@ -21,13 +21,16 @@ life (each bounded by ``tokenizer_cache_l1_max_memory``); the cache locks itself
 run in the bulk pool like any other big request.  Namespaced as sessions are: a cache's
 ``layer`` and ``reused_chars`` would otherwise tell one peer what another peer sent.
 
-With ``--state-dir`` the service tells its :class:`~toktier_sidecar.statedir.StateDir` of every
-change and end (``changed``/``_ended``; records are written behind), copies a session's state
-for it (``state_snapshot``), and opens a session from a restored record (``run_restore``:
-``Session.from_state`` under the record's certificate, no encode); the server decides when.
+With ``--state-dir`` or ``--state-store`` the service tells the server's
+:class:`~toktier_sidecar.statedir.WriteBehind` of every change and end (``changed``/``_ended``;
+records are written behind), copies a session's state for it (``state_snapshot``), and opens a
+session from a restored record (``run_restore``: ``Session.from_state`` under the record's
+certificate, no encode); the server decides when.
 
 Adding an op is one Struct in ``toktier_client.protocol`` and one handler here
-(``@handles(P.Ping) class PingHandler``), plus one client method.
+(``@handles(P.Ping) class PingHandler``), plus one client method.  The conversation ops'
+handlers live in :mod:`toktier_sidecar.conversations` (same table, same store: a handler's
+``key`` puts conversations in a namespace of their own).
 
 Split by thread, so the asyncio adapter can run the expensive middle anywhere:
 
@@ -63,7 +66,7 @@ from toktier_client.shm import HEADER_BYTES, RETIRED_SEQ
 from .config import ServerConfig
 from .errors import BadRequest, Overloaded, ResourceExhausted, SessionConflict, TokenizerMismatch, TooLarge, code_for
 from .shm import ArenaPool, Segment, SessionArena
-from .statedir import Snapshot, StaleRecord, StateDir
+from .statedir import Snapshot, StaleRecord, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +221,11 @@ class Handler(Generic[R]):
         ``text_chars`` unless the session's own state adds to it (an edit moves the text after it)."""
         return self.text_chars(req)
 
+    def key(self, namespace: Hashable, lane: str) -> "SessionKey":
+        """The store and lane key of ``lane`` (what ``lane(req)`` returned) in the caller's
+        ``namespace``; conversations key theirs apart (:mod:`toktier_sidecar.conversations`)."""
+        return SessionKey(namespace, lane)
+
     def plan(self, svc: "SessionService", call: Call, req: R) -> Plan:
         raise NotImplementedError
 
@@ -287,8 +295,12 @@ class SessionService:
         self._caches: dict[tuple[Hashable, str], toktier.PrefixCache] = {}
         self.default_tokenizer = ""
         self.configured: set[str] = set()  # names preloaded from the config: their variants may load
-        # Set by the server with --state-dir: told of every change and end (write-behind records).
-        self.state: StateDir | None = None
+        # Set by the server with --state-dir/--state-store: told of every change and end (write-behind records).
+        self.state: WriteBehind | None = None
+        # The conversation ops' state (templates, counts): defined with their handlers.
+        from .conversations import Conversations
+
+        self.conversations: Conversations = Conversations()
 
     # ------------------------------------------------------------- tokenizers
     def preload(self) -> None:
@@ -469,7 +481,7 @@ class SessionService:
     def forget(self, key: SessionKey) -> bool:
         """Loop thread: drop the record of a session not open here (a Close after a restart);
         True if there was one."""
-        return self.state is not None and self.state.indexed(key) and self.state.ended(key)
+        return self.state is not None and self.state.forget(key)
 
     def state_snapshot(self, key: SessionKey) -> Snapshot | None:
         """Loop thread, no op running on the session: a copy of its state to write (O(N)
@@ -587,6 +599,10 @@ class SessionService:
         r = cache.encode(text)
         return CachedEncode(self.pool.handoff(r.ids), r.layer, r.reused_chars, r.first_changed)
 
+    def caches(self) -> list[tuple[tuple[Hashable, str], toktier.PrefixCache]]:
+        """Loop thread: ((namespace, tokenizer hash), cache) of every cache (the state dir writes them)."""
+        return list(self._caches.items())
+
     def cache_stats(self) -> list[tuple[str, toktier.PrefixCacheStats]]:
         """Any thread (metrics scrapes): (tokenizer name, stats) of every cache."""
         return [(cache.tokenizer.name, cache.stats()) for cache in list(self._caches.values())]
@@ -595,20 +611,23 @@ class SessionService:
     def stats(self, rid: int) -> P.StatsReply:
         st = self.store.stats()
         c = self.server_counts()
+        conversations = self.conversations.live  # in the same store: ``sessions`` counts the others
         return P.StatsReply(
-            id=rid, sessions=st.live, bytes_held=st.bytes_held, shm_bytes=self.pool.live_bytes,
+            id=rid, sessions=st.live - conversations, bytes_held=st.bytes_held, shm_bytes=self.pool.live_bytes,
             shm_segments=self.pool.live_segments, opened=st.opened, closed=st.ended.get("closed", 0),
             misses=st.misses, evictions=st.evictions, connections=c.connections,
             uptime_s=time.monotonic() - self.started, inflight=c.inflight, verified=c.verified,
-            mismatches=c.mismatches,
+            mismatches=c.mismatches, conversations=conversations,
         )
 
     def snapshot(self, connections: int) -> dict:
         st = self.store.stats()
         fp = self.full_path.stats()
-        return dict(sessions=st.live, bytes_held=st.bytes_held, shm_bytes=self.pool.live_bytes,
-                    shm_segments=self.pool.live_segments, connections=connections, ended=st.ended,
-                    opened=st.opened, misses=st.misses,
+        conv = self.conversations
+        return dict(sessions=st.live - conv.live, conversations=conv.live,
+                    conversations_ended=dict(conv.ended_by_cause), bytes_held=st.bytes_held,
+                    shm_bytes=self.pool.live_bytes, shm_segments=self.pool.live_segments, connections=connections,
+                    ended=st.ended, opened=st.opened, misses=st.misses,
                     full_path={"gpu": fp.gpu, "cpu_chunked": fp.chunked,
                                "cpu_single": fp.encodes - fp.gpu - fp.chunked},
                     full_path_chars=fp.chars)
@@ -621,14 +640,18 @@ class SessionService:
 
     def shutdown(self) -> None:
         self.store.clear(EndCause.SHUTDOWN)
+        self.conversations.shutdown_report(persisting=self.state is not None)
         self.pool.unlink_all()
 
     def _ended(self, key: Hashable, slot: Slot, cause: EndCause) -> None:
+        if not isinstance(slot, Slot):  # a conversation: its own bookkeeping, and never a record
+            slot.ended(cause)
+            return
         if slot.published is not None:  # clients still viewing it learn that it is stale
             _retire(slot.published)
         slot.arena.release()
         if self.state is not None and cause is not EndCause.SHUTDOWN:  # shutdown keeps records for the next run
-            self.state.ended(cast(SessionKey, key))
+            self.state.ended(cast(SessionKey, key), closed=cause is EndCause.CLOSED)
         if cause is not EndCause.CLOSED:
             log.debug("session %r ended: %s", key, cause.value)
 

@@ -18,9 +18,12 @@ from .errors import (
     ChatTemplateMissing,
     InvalidCacheConfig,
     InvalidChatInput,
+    InvalidConversationOp,
     InvalidEditRange,
     InvalidState,
     InvalidText,
+    InvalidTokenIds,
+    JunctionUnavailable,
     ReferenceEngineError,
     TokenizerDataMissing,
     TokTierError,
@@ -29,7 +32,9 @@ from .errors import (
 )
 from . import chat
 from .chat import ChatTemplate
+from .conversation import Conversation, ConversationPath, ConversationResult, GeneratedRun
 from .fullpath import FullPath, FullPathConfig
+from .junctions import Junction, derive_junction
 from .prefix_cache import CacheResult, PrefixCache, PrefixCacheStats
 from .registry import FrozenTokenizer, Registry, list_tokenizers, load_tokenizer
 from .session import OpResult, RepairPath, Session, SessionStats
@@ -40,15 +45,23 @@ __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
     "ChatTemplateMissing",
+    "Conversation",
+    "ConversationPath",
+    "ConversationResult",
     "EndCause",
     "FrozenTokenizer",
     "FullPath",
     "FullPathConfig",
+    "GeneratedRun",
     "InvalidCacheConfig",
     "InvalidChatInput",
+    "InvalidConversationOp",
     "InvalidEditRange",
     "InvalidState",
     "InvalidText",
+    "InvalidTokenIds",
+    "Junction",
+    "JunctionUnavailable",
     "OpResult",
     "PrefixCache",
     "PrefixCacheStats",
@@ -64,6 +77,7 @@ __all__ = [
     "UnknownTokenizer",
     "UnsupportedTokenizer",
     "chat",
+    "derive_junction",
     "list_tokenizers",
     "load_tokenizer",
 ]

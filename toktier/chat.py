@@ -31,8 +31,19 @@ by sha256 here and in the scripts.  `template_for(tokenizer)` returns the templa
 registered for a bundled tokenizer, or raises `ChatTemplateMissing` saying how to get
 one; a caller may always pass their own template string.
 
-Design notes for `Conversation` (issue 17, point 2; not built yet)
--------------------------------------------------------------------
+Design notes for `Conversation` (issue 17, point 2)
+---------------------------------------------------
+Built in `toktier.conversation` (junctions in `toktier.junctions`, history matching in
+`toktier.message_match`); its docstring holds the token-in-token-out definition.  It follows the
+notes below with these changes: the state is a list of text segments (one `Session` each) and
+pinned runs of sampled IDs, the text after the last run being the only live segment; an op that
+is not a local append renders all messages and syncs the live segment (one `Session` edit per
+separate change, `toktier.text_diff`).  Incremental rendering is built in `toktier.render_window`
+for appends (the common agent case): a window of the last messages plus a head (the first
+message, the last query), per-kind locality probes, and the run-time boundary checks described
+there; rollbacks and edits of earlier messages render everything.  `prepare_messages` below is
+what the conversation stores and compares.
+
 - State: the messages (as prepared above, so comparison is on what the template sees),
   the rendered text, per message the rendered offset where its text begins when the
   template is local (below), and a `Session` over the text (ids, spans).
@@ -164,7 +175,21 @@ class ChatTemplate:
         ends the text right after the final message's text, for the model to continue it.
         Keyword arguments become template variables (e.g. `enable_thinking=False`).
         """
-        chat = _prepare_messages(messages)
+        chat = _plain(_prepare_messages(messages))
+        return self._render_plain(chat, add_generation_prompt, continue_final_message, tools, documents, kwargs)
+
+    def render_prepared(self, messages: list[dict], *, add_generation_prompt: bool = False,
+                        tools: Sequence[Mapping[str, Any]] | None = None,
+                        documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+        """`render` of a non-empty list that `prepare_messages` returned and nobody changed since:
+        not prepared again (a conversation renders its stored history on every op)."""
+        if not messages:
+            raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
+        return self._render_plain(messages, add_generation_prompt, False, tools, documents, kwargs)
+
+    def _render_plain(self, chat: list[dict], add_generation_prompt: bool, continue_final_message: bool | str,
+                      tools: Sequence[Mapping[str, Any]] | None, documents: Sequence[Mapping[str, Any]] | None,
+                      kwargs: dict[str, Any]) -> str:
         if continue_final_message and add_generation_prompt:
             raise InvalidChatInput("continue_final_message and add_generation_prompt exclude each other: the first "
                                    "continues the final message, the second opens a new assistant turn")
@@ -175,7 +200,7 @@ class ChatTemplate:
                                  "with transformers.utils.get_json_schema")
         documents = _mappings(documents, "documents are dicts (usually with 'title' and 'text' keys)")
         variables = _plain({**self.special_tokens, **kwargs})  # a keyword overrides a special token
-        chat = _alias_reasoning(_plain(chat))
+        chat = _alias_reasoning(chat)  # new dicts where it aliases: the caller's are never changed
         continued = None
         if continue_final_message:
             continued = _tag_final_message(chat, self.source, continue_final_message)
@@ -292,6 +317,15 @@ def _compile(source: str, name: str) -> Any:
         return env.from_string(source)
     except jinja2.exceptions.TemplateError as exc:
         raise ChatTemplateError(f"chat template {name!r} does not compile: {type(exc).__name__}: {exc}") from exc
+
+
+def prepare_messages(messages: Messages) -> list[dict]:
+    """`messages` as every render prepares them (dicts of plain JSON types, None-valued keys
+    dropped; reasoning not yet aliased), for keeping and comparing (`toktier.conversation`).
+    Unlike `render`, an empty list is allowed; preparing twice changes nothing."""
+    if isinstance(messages, (list, tuple)) and len(messages) == 0:
+        return []
+    return _plain(_prepare_messages(messages))
 
 
 def _to_dicts(value: Any) -> Any:

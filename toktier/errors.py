@@ -60,3 +60,17 @@ class ChatTemplateError(TokTierError, ValueError):
 
 class InvalidChatInput(TokTierError, ValueError):
     """Messages, tools, documents or render options a chat template cannot be given (the message names which)."""
+
+
+class InvalidConversationOp(TokTierError, ValueError):
+    """A `Conversation` op that cannot apply to its current state (rollback past its length,
+    sampled IDs with no message to continue, ...); the message says what the state allows."""
+
+
+class InvalidTokenIds(TokTierError, ValueError):
+    """Token IDs that are not a 1-D sequence of integers within the tokenizer's vocabulary."""
+
+
+class JunctionUnavailable(TokTierError, ValueError):
+    """A chat template that gives sampled IDs no single place to stand (the generated turn is not
+    rendered exactly once where its content goes), so token-in-token-out cannot be defined for it."""

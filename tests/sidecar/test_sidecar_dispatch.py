@@ -24,14 +24,17 @@ def test_every_request_type_has_one_handler():
         assert handler.tag == msg_type.__struct_config__.tag and handler.one_way == msg_type.one_way
     pools = {t.__name__: h.pool for t, h in HANDLERS.items()}
     assert pools == {"Open": "bulk", "Encode": "bulk", "Append": "repair", "Edit": "repair", "Sync": "repair",
-                     "Close": None, "Stats": None, "ListTokenizers": None, "Ping": None, "Release": None}
+                     "Close": None, "Stats": None, "ListTokenizers": None, "Ping": None, "Release": None,
+                     "ConvOpen": "bulk", "ConvFork": "bulk", "ConvAppendMessages": "repair",
+                     "ConvSetMessages": "repair", "ConvAppendGenerated": "repair", "ConvRollback": "repair",
+                     "ConvClose": None}
     lanes = {t.__name__ for t, h in HANDLERS.items()
              if h.lane(t(**{f: _dummy(f) for f in t.__struct_fields__})) is not None}
-    assert lanes == {"Open", "Append", "Edit", "Sync", "Close"}
+    assert lanes == {"Open", "Append", "Edit", "Sync", "Close"} | {t.__name__ for t in P.CONVERSATION_OPS}
 
 
 def _dummy(field: str):
-    return {"id": 1, "start": 0, "end": 0}.get(field, "x")
+    return {"id": 1, "start": 0, "end": 0, "n_messages": 0, "messages": [], "ids": b""}.get(field, "x")
 
 
 def test_ping_through_a_real_socket(sidecar):

@@ -9,12 +9,13 @@ import pytest
 import toktier_sidecar.lanes
 import toktier_sidecar.shadow
 import toktier.store
+import toktier_client._conversation
 import toktier_client._session
 import toktier_client.core
 import toktier_client.protocol
 
 MODULES = [toktier.store, toktier_client.protocol, toktier_client.core, toktier_client._session, toktier_sidecar.lanes,
-           toktier_sidecar.shadow]
+           toktier_sidecar.shadow, toktier_client._conversation]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

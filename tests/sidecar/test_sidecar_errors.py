@@ -36,6 +36,12 @@ RAISED = [
     core_errors.InvalidText("lone surrogate at 3"),
     core_errors.ReferenceEngineError("engine panicked: index out of range"),
     core_errors.InvalidState("the IDs are not the reference encoding of the text"),
+    core_errors.ChatTemplateMissing("no chat template is registered for 'cl100k_base'"),
+    core_errors.ChatTemplateError("chat template 'qwen3' failed: TemplateError: no tools"),
+    core_errors.InvalidChatInput("message 0 has no role"),
+    core_errors.InvalidTokenIds("sampled ID 10000000 is outside the tokenizer's 128256 ids"),
+    core_errors.InvalidConversationOp("rollback(5): the conversation has 2 message(s)"),
+    core_errors.JunctionUnavailable("the template renders the generated turn more than once"),
     SE.SessionConflict("session 's' is at seq 4, not 2"),
     SE.TokenizerMismatch("other tokenizer"),
     SE.TooLarge("too long"),
@@ -47,10 +53,9 @@ RAISED = [
 # Core errors no request can raise, so they need no wire code: InvalidCacheConfig is raised while
 # the server's config is built (ServerConfig, `toktier serve` exits with its message), and every
 # PrefixCache the sidecar creates takes that validated config.
-# The chat-template errors come from `toktier.chat`, which no request serves yet (issue 17: the
-# sidecar's conversation ops will give them codes).
-NOT_ON_THE_WIRE = {core_errors.InvalidCacheConfig, core_errors.ChatTemplateMissing, core_errors.ChatTemplateError,
-                   core_errors.InvalidChatInput}
+# The chat-template and conversation errors travel: the conversation ops (toktier_sidecar.conversations)
+# raise them (tests/sidecar/test_conversation_ops.py raises each through a real sidecar).
+NOT_ON_THE_WIRE = {core_errors.InvalidCacheConfig}
 
 
 def test_every_core_error_class_has_its_own_code_and_client_twin():

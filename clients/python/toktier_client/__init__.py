@@ -6,17 +6,24 @@ lifetimes, ``toktier_client.protocol`` for the wire format, ``toktier_client.cor
 for the sans-IO client core that ``Client`` and ``AsyncClient`` both drive.
 """
 
+from ._conversation import AsyncConversationHandle, ConversationHandle, ConversationResult
 from .aio import AsyncClient, AsyncSession
 from .client import Client, Session
 from .errors import (
     BadFrame,
     BadRequest,
+    ChatTemplateError,
+    ChatTemplateMissing,
     ConnectionLost,
     FrameTooLarge,
     InsecureRuntimeDir,
     InternalError,
+    InvalidChatInput,
+    InvalidConversationOp,
     InvalidEditRange,
     InvalidText,
+    InvalidTokenIds,
+    JunctionUnavailable,
     Overloaded,
     PermissionDenied,
     ProtocolError,
@@ -52,4 +59,7 @@ __all__ = [
     "ShuttingDown", "InternalError", "ConnectionLost", "ProtocolError", "RequestTimeout", "SegmentGone", "SegmentAccessDenied",
     "UnsupportedTokenizer", "ReferenceEngineError", "InvalidState", "ResourceExhausted", "SessionClosed",
     "ServerIdentityError", "InsecureRuntimeDir", "default_socket_path",
+    "ConversationHandle", "AsyncConversationHandle", "ConversationResult",
+    "ChatTemplateMissing", "ChatTemplateError", "InvalidChatInput", "InvalidTokenIds",
+    "InvalidConversationOp", "JunctionUnavailable",
 ]

@@ -27,10 +27,12 @@ import asyncio
 import contextlib
 import itertools
 import os
+from collections.abc import Sequence
 from typing import Optional, cast
 
 from . import core
 from . import protocol as P
+from ._conversation import AsyncConversationHandle, ConversationState
 from ._session import AppendOp, EditOp, PendingOp, SessionState, SessionView, SyncOp
 from .core import Answered, Backoff, Broken, ClientConnection, Event, Failed, Flow, T, Welcomed
 from .errors import ConnectionLost, TokTierError
@@ -288,6 +290,28 @@ class AsyncClient:
         async with s._lock:
             s.last = await self.run(state.open(self.next_id, text))
         return s
+
+    async def conversation(
+        self,
+        conversation_id: str,
+        tokenizer: str = "",
+        template: str | None = None,
+        *,
+        match: P.MatchMode = "strict",
+        add_generation_prompt: bool = True,
+        stop_texts: Sequence[str] = (),
+        create_only: bool = False,
+        **template_kwargs: object,
+    ) -> AsyncConversationHandle:
+        """asyncio twin of :meth:`toktier_client.Client.conversation`."""
+        state = ConversationState(
+            conversation_id, tokenizer, template=template, template_kwargs=dict(template_kwargs), match=match,
+            add_generation_prompt=add_generation_prompt, stop_texts=stop_texts, owner_uid=self.server_uid,
+        )
+        handle = AsyncConversationHandle(self, state)
+        async with handle._lock:
+            handle.last = await self.run(state.open(self.next_id, create_only))
+        return handle
 
     async def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all", *,
                      cache: bool = False) -> Result:

@@ -31,9 +31,11 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from . import core
 from . import protocol as P
+from ._conversation import ConversationHandle, ConversationState
 from ._session import AppendOp, EditOp, PendingOp, SessionState, SessionView, SyncOp
 from .core import Answered, Backoff, Broken, ClientConnection, Event, Failed, Flow, T, Welcomed
 from .errors import ConnectionLost, RequestTimeout, TokTierError
@@ -240,6 +242,34 @@ class Client:
         s = Session(self, state)
         s.last = self.run(state.open(self.next_id, text))
         return s
+
+    def conversation(
+        self,
+        conversation_id: str,
+        tokenizer: str = "",
+        template: str | None = None,
+        *,
+        match: P.MatchMode = "strict",
+        add_generation_prompt: bool = True,
+        stop_texts: Sequence[str] = (),
+        create_only: bool = False,
+        **template_kwargs: object,
+    ) -> ConversationHandle:
+        """Open (or attach to) a conversation: chat messages in, exact token IDs out
+        (``toktier.Conversation`` in the sidecar).  ``template``: None for the tokenizer's
+        registered chat template, a registered template name, or a Jinja source;
+        ``template_kwargs`` become template variables (``enable_thinking=False``, ``tools=[...]``;
+        JSON-able values).  ``match``: how ``set_messages`` compares a re-sent history;
+        ``stop_texts``: extra strings a generation may stop with.  ``create_only`` refuses an
+        existing conversation (``SessionConflict``).  The handle's ``last`` is the
+        conversation's current state."""
+        state = ConversationState(
+            conversation_id, tokenizer, template=template, template_kwargs=dict(template_kwargs), match=match,
+            add_generation_prompt=add_generation_prompt, stop_texts=stop_texts, owner_uid=self.server_uid,
+        )
+        handle = ConversationHandle(self, state)
+        handle.last = self.run(state.open(self.next_id, create_only))
+        return handle
 
     def encode(self, text: str, tokenizer: str = "", specials: P.Specials = "all", *,
                cache: bool = False) -> Result:

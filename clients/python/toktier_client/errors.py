@@ -181,6 +181,48 @@ class ResourceExhausted(RemoteError):
     code = ErrorCode.RESOURCE_EXHAUSTED
 
 
+class ChatTemplateMissing(RemoteError, LookupError):
+    """No chat template for the conversation's tokenizer on the sidecar (none registered, or its file
+    not fetched there); the message says how to get one, or pass ``template=`` yourself."""
+
+    code = ErrorCode.CHAT_TEMPLATE_MISSING
+
+
+class ChatTemplateError(RemoteError, ValueError):
+    """The chat template does not compile, or raised while rendering (the message carries the
+    template's own message, e.g. its ``raise_exception`` text)."""
+
+    code = ErrorCode.CHAT_TEMPLATE_ERROR
+
+
+class InvalidChatInput(RemoteError, ValueError):
+    """Messages, template variables or options a chat template cannot be given (the message
+    names which)."""
+
+    code = ErrorCode.INVALID_CHAT_INPUT
+
+
+class InvalidTokenIds(RemoteError, ValueError):
+    """Sampled token IDs the conversation's tokenizer does not have (outside its vocabulary; the
+    message names one)."""
+
+    code = ErrorCode.INVALID_TOKEN_IDS
+
+
+class InvalidConversationOp(RemoteError, ValueError):
+    """A conversation op its current state does not allow (a rollback past its length, sampled IDs
+    with no prompt to continue...); the message says what the state allows."""
+
+    code = ErrorCode.INVALID_CONVERSATION_OP
+
+
+class JunctionUnavailable(RemoteError, ValueError):
+    """The chat template gives sampled IDs no single place in the text (it does not render the
+    generated turn exactly once): token-in-token-out is undefined for it; send text messages."""
+
+    code = ErrorCode.JUNCTION_UNAVAILABLE
+
+
 class InternalError(RemoteError):
     """An unexpected failure inside the sidecar (it is logged there)."""
 
@@ -238,7 +280,8 @@ ERRORS_BY_CODE: dict[ErrorCode, type[RemoteError]] = {
         SessionMiss, SessionConflict, UnknownTokenizer, TokenizerMismatch, TokenizerDataMissing,
         UnsupportedTokenizer, InvalidEditRange, InvalidText, BadRequest, BadFrame, FrameTooLarge, TooLarge,
         Overloaded, PermissionDenied, VersionMismatch, ShuttingDown, ReferenceEngineError, InvalidState,
-        ResourceExhausted, InternalError,
+        ResourceExhausted, ChatTemplateMissing, ChatTemplateError, InvalidChatInput, InvalidTokenIds,
+        InvalidConversationOp, JunctionUnavailable, InternalError,
     )
 }
 

@@ -19,6 +19,10 @@ Conversation::
     Encode/Close/Stats/
     ListTokenizers/Ping (id=N)
                                 <-------    Ids/Closed/StatsReply/TokenizerList/Pong/Error (id=N)
+    ConvOpen/ConvAppendMessages/ ------->
+    ConvSetMessages/ConvAppendGenerated/
+    ConvFork/ConvRollback/ConvClose (id=N)
+                                <-------    ConvIds/Closed/Error (id=N)
     Release(segment)            ------->    (no reply)
 
 Requests carry a client-chosen ``id``; replies carry the same ``id`` and may arrive
@@ -32,7 +36,16 @@ other values at decode time, as ``bad_request``).  New fields are only ever adde
 with defaults, so older peers keep decoding newer messages.
 
 The sidecar serves each request type with one handler (``toktier_sidecar.service.HANDLERS``);
-adding an op is one Struct here, one handler there, one client method.
+adding an op is one Struct here, one handler there, one client method.  A new op is a new
+tag, not a new ``PROTOCOL_VERSION``: a sidecar that predates it answers ``bad_request``
+(unknown tag) for that request only, and the connection goes on.  The version changes only
+when an existing message changes incompatibly.
+
+Conversations (the ``Conv*`` ops, ``toktier.Conversation`` on the sidecar) take chat
+messages as msgpack maps (JSON-able values only: no pickle, no extension types) and
+answer with :class:`ConvIds`: the same shared-memory handover as ``Ids`` plus what a
+conversation result says.  Sampled IDs (``ConvAppendGenerated.ids``) are the one place
+token IDs travel in a frame: packed little-endian uint32, at most ``MAX_GENERATED_IDS``.
 
 >>> frame = encode_frame(Hello(version=PROTOCOL_VERSION))
 >>> FrameDecoder(max_frame=1024).feed(frame)[0] == frame[4:]
@@ -45,7 +58,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import msgspec
 
@@ -65,6 +78,13 @@ MAX_SESSION_ID_BYTES = 256
 #: Longest ``op_key`` (the client's idempotency key for one op), in UTF-8 bytes.
 MAX_OP_KEY_BYTES = 64
 
+#: Most sampled IDs one ``ConvAppendGenerated`` carries: 1 Mi IDs (4 MiB packed), above the longest
+#: generation any model emits in one turn (today 128K-256K tokens), and far below the frame limit.
+MAX_GENERATED_IDS = 1 << 20
+#: Longest chat template source a ``ConvOpen`` carries, in UTF-8 bytes: the biggest Hugging Face
+#: templates are ~20 KB; the sidecar compiles and keeps each distinct one, so it is bounded.
+MAX_TEMPLATE_BYTES = 256 * 1024
+
 #: ``"all"``: special-token literals in the text are special tokens; ``"none"``: plain text.
 Specials = Literal["all", "none"]
 #: How the sidecar got a result (``toktier.RepairPath`` values).
@@ -74,6 +94,11 @@ RepairPathName = Literal["noop", "first_window", "widened", "full"]
 #: repaired, ``"miss"`` the cache was consulted and the text tokenized in full, ``"off"`` no
 #: cache was consulted (not asked for, disabled on the server, or a session result).
 CacheLayer = Literal["l0", "l1", "miss", "off"]
+#: How a conversation compares the messages it is sent with those it holds (``toktier.Conversation``'s
+#: ``match``): ``strict``; ``loose_tool_call`` (tool-call arguments compared as JSON); ``role_content_only``.
+MatchMode = Literal["strict", "loose_tool_call", "role_content_only"]
+#: One chat message as a template sees it: ``role`` plus any JSON-able fields.
+Message = dict[str, Any]
 
 
 class ErrorCode(str, enum.Enum):
@@ -98,6 +123,12 @@ class ErrorCode(str, enum.Enum):
     VERSION_MISMATCH = "version_mismatch"
     SHUTTING_DOWN = "shutting_down"
     RESOURCE_EXHAUSTED = "resource_exhausted"
+    CHAT_TEMPLATE_MISSING = "chat_template_missing"
+    CHAT_TEMPLATE_ERROR = "chat_template_error"
+    INVALID_CHAT_INPUT = "invalid_chat_input"
+    INVALID_TOKEN_IDS = "invalid_token_ids"
+    INVALID_CONVERSATION_OP = "invalid_conversation_op"
+    JUNCTION_UNAVAILABLE = "junction_unavailable"
     INTERNAL = "internal"
 
 
@@ -228,8 +259,103 @@ class Release(_Msg, tag="release"):
     segment: str
 
 
-Request = Union[Hello, Open, Append, Edit, Sync, Encode, Close, Stats, ListTokenizers, Ping, Release]
+# ---------------------------------------------------------------- conversations
+
+
+class ConvOpen(_Msg, tag="conv_open"):
+    """Create conversation ``conversation`` (no messages yet), or attach to it if it exists with
+    the same tokenizer and options (the reply then shows its current state).
+
+    ``template``: None for the tokenizer's registered template (``toktier.chat.template_for``),
+    a registered template name (``"llama3_1"``, ``"deepseek_v3"``...), or a Jinja source (at
+    most ``MAX_TEMPLATE_BYTES``).  ``template_kwargs`` become template variables
+    (``enable_thinking=False``, ``tools=[...]``...): JSON-able values only.  ``stop_texts``:
+    extra stop strings a generation may end with (besides the template's eos and the
+    tokenizer's added tokens).  ``create_only`` refuses with ``session_conflict`` when the
+    conversation exists.
+
+    Conversation ids are their own namespace (per peer, as session ids are): a session and a
+    conversation may share an id.  ``Close`` closes sessions; ``ConvClose`` conversations."""
+
+    id: int
+    conversation: str
+    tokenizer: str = ""
+    template: str | None = None
+    template_kwargs: dict[str, Any] = {}
+    match: MatchMode = "strict"
+    add_generation_prompt: bool = True
+    stop_texts: list[str] = []
+    create_only: bool = False
+    op_key: str = ""
+
+
+class ConvAppendMessages(_Msg, tag="conv_append_messages"):
+    """Append ``messages``.  ``expect_seq`` and ``op_key`` work as they do for ``Append``."""
+
+    id: int
+    conversation: str
+    messages: list[Message]
+    expect_seq: int = -1
+    op_key: str = ""
+
+
+class ConvSetMessages(_Msg, tag="conv_set_messages"):
+    """Make the conversation's messages equal ``messages`` (the first changed message and the first
+    changed rendered character become one exact edit)."""
+
+    id: int
+    conversation: str
+    messages: list[Message]
+    expect_seq: int = -1
+    op_key: str = ""
+
+
+class ConvAppendGenerated(_Msg, tag="conv_append_generated"):
+    """Append sampled token IDs verbatim: ``ids`` is packed little-endian uint32 (4 bytes each, at
+    most ``MAX_GENERATED_IDS``); every ID must be below the tokenizer's vocabulary size
+    (else ``invalid_token_ids``)."""
+
+    id: int
+    conversation: str
+    ids: bytes
+    expect_seq: int = -1
+    op_key: str = ""
+
+
+class ConvFork(_Msg, tag="conv_fork"):
+    """Create conversation ``new`` as a copy of ``conversation`` (which is unchanged); ``new`` must
+    not exist.  ``expect_seq`` refers to ``conversation``."""
+
+    id: int
+    conversation: str
+    new: str
+    expect_seq: int = -1
+    op_key: str = ""
+
+
+class ConvRollback(_Msg, tag="conv_rollback"):
+    """Back to the conversation's first ``n_messages`` messages (``toktier.Conversation.rollback``;
+    more than it holds is ``invalid_conversation_op``)."""
+
+    id: int
+    conversation: str
+    n_messages: int
+    expect_seq: int = -1
+    op_key: str = ""
+
+
+class ConvClose(_Msg, tag="conv_close"):
+    """Close a conversation and unlink its segment; answered with ``Closed``."""
+
+    id: int
+    conversation: str
+
+
+Request = Union[Hello, Open, Append, Edit, Sync, Encode, Close, Stats, ListTokenizers, Ping, Release, ConvOpen,
+                ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback, ConvClose]
 SESSION_OPS = (Open, Append, Edit, Sync, Close)
+CONVERSATION_OPS = (ConvOpen, ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback,
+                    ConvClose)
 
 # ---------------------------------------------------------------------- replies
 
@@ -304,6 +430,8 @@ class StatsReply(_Msg, tag="stats_reply"):
     inflight: int = 0  # requests being processed off the event loop (workers, queued lanes)
     verified: int = 0  # results re-encoded by the shadow verifier
     mismatches: int = 0  # ... that differed from the reference (each one is logged with a reproducer)
+    conversations: int = 0  # conversations open (``sessions`` counts the others; the store, its budget and
+    # ``opened``/``closed``/``misses``/``evictions`` are shared by both)
 
 
 class Pong(_Msg, tag="pong"):
@@ -326,7 +454,33 @@ class Error(_Msg, tag="error"):
     reason: str = ""
 
 
-Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Pong, Error]
+class ConvIds(_Msg, tag="conv_ids"):
+    """A conversation op's result: ``count`` uint32 IDs at byte ``offset`` of ``segment``, as in
+    :class:`Ids` (the conversation's own segment, rewritten in place from ``first_changed`` by
+    its next op), plus what only a conversation says: ``first_changed_message`` (index of the
+    first message whose tokens changed), ``drift`` (the first token index where the IDs differ
+    from the exact re-render and re-tokenization of the messages, None when they are equal:
+    only sampled IDs can drift), ``chars`` (the rendered text's length in code points) and
+    ``messages`` (how many messages the conversation holds).
+
+    A reply of its own rather than more ``Ids`` fields: a session result has no messages and
+    no drift (a defaulted ``drift=None`` on every session reply would read as "no drift"),
+    and a conversation result has no repair ``path``, cache ``layer`` or ``handoff``."""
+
+    id: int
+    segment: str
+    offset: int
+    count: int
+    seq: int
+    first_changed: int
+    tokenizer: str
+    first_changed_message: int = 0
+    drift: int | None = None
+    chars: int = 0
+    messages: int = 0
+
+
+Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Pong, Error, ConvIds]
 
 REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
 REPLY_DECODER = msgspec.msgpack.Decoder(Reply)

@@ -1,0 +1,509 @@
+"""Token-in-token-out: junctions derived by probing, sampled IDs pinned, drift reported exactly.
+
+The expected IDs are computed here, independently, from the definition in toktier/conversation.py's
+docstring: encode(X_0) + S_1' + encode(X_1) + ... + S_r' + encode(X_r), the text segments cut out
+of renders of the marked messages (this file's own markers and cutting), each encoded by the
+reference on its own.  `drift` is checked against the first mismatch with the reference encoding of
+the full render of the conversation's messages.  Junctions are checked on the bundled templates and
+on crafted ones reproducing each quirk: a Qwen3-like `<|im_end|>` + newline, a GLM-like stop that is
+the next turn's start, a MiniMax-like custom EOS `[e~[` + newline; each on a real tokenizer that
+has the stop as one special token, and again on one that spells it as text.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from toktier import chat
+from toktier.conversation import Conversation, ConversationPath
+from toktier.errors import InvalidChatInput, InvalidConversationOp, InvalidTokenIds, JunctionUnavailable
+from toktier.junctions import derive_junction
+
+from conftest import get_tokenizer
+from test_conversation import ADVERSARIAL, call, family, for_family, sharegpt_tool_chats
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# (the newline is an expression: trim_blocks eats a literal one after a block tag)
+GLM = ("[gMASK]<sop>{% for m in messages %}{% if m.role == 'tool' %}<|observation|>{% else %}<|{{ m.role }}|>"
+       "{% endif %}{{ '\\n' + m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# GLM's role tokens as llama3 special tokens (reserved 10/11/12/13 stand for user/assistant/observation/system).
+GLM_SPECIAL = (GLM.replace("<|observation|>", "<|reserved_special_token_12|>")
+               .replace("<|{{ m.role }}|>", "<|reserved_special_token_{{ {'user': 10, 'assistant': 11, 'system': 13}"
+                                             "[m.role] }}|>")
+               .replace("<|assistant|>", "<|reserved_special_token_11|>"))
+MINIMAX = ("{% for m in messages %}]~b]{{ m.role }}\n{{ m.content }}[e~[\n{% endfor %}"
+           "{% if add_generation_prompt %}]~b]ai\n{% endif %}")
+
+# name -> (tokenizer, template source or registered name, special tokens, conversation kwargs,
+#          expected (stops, stop ids are single tokens, junction, stop_is_start))
+CRAFTED = {
+    "chatml_special": ("qwen3", CHATML, {"eos_token": "<|im_end|>"}, {}, (("<|im_end|>",), True, "\n", False)),
+    "chatml_text": ("llama3", CHATML, {"eos_token": "<|im_end|>"}, {}, (("<|im_end|>",), False, "\n", False)),
+    "glm_special": ("llama3", GLM_SPECIAL, {"eos_token": "<|end_of_text|>"}, {},
+                    (("<|reserved_special_token_10|>", "<|reserved_special_token_12|>"), True, "", True)),
+    "glm_text": ("llama3", GLM, {"eos_token": "<|end_of_text|>"}, {"stop_texts": ("<|user|>", "<|observation|>")},
+                 (("<|observation|>", "<|user|>"), False, "", True)),
+    "minimax_text": ("qwen3", MINIMAX, {"eos_token": "[e~["}, {}, (("[e~[",), False, "\n", False)),
+    "minimax_special": ("deepseek_v4", MINIMAX.replace("[e~[", "<｜end▁of▁sentence｜>"),
+                        {"eos_token": "<｜end▁of▁sentence｜>"}, {}, (("<｜end▁of▁sentence｜>",), True, "\n", False)),
+}
+BUNDLED = {"llama3_1": (("<|eot_id|>",), ""), "deepseek_v3": (("<｜end▁of▁sentence｜>",), ""),
+           "qwen3": (("<|im_end|>",), "\n")}
+
+
+def crafted(name: str):
+    tok_name, source, specials, kw, expected = CRAFTED[name]
+    return get_tokenizer(tok_name), chat.ChatTemplate(source, specials, name=name), kw, expected
+
+
+def setup(name: str):
+    """(tokenizer, template, conversation kwargs, the stop text, whether it is also a start token)."""
+    if name in CRAFTED:
+        tok, template, kw, (stops, _single, _junction, is_start) = crafted(name)
+        return tok, template, kw, stops[-1] if is_start else stops[0], is_start
+    tok, template = family(name)
+    return tok, template, {}, BUNDLED[name][0][0], False
+
+
+# --------------------------------------------------------------------------- junctions
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_bundled_junctions(name):
+    tok, template = family(name)
+    j = derive_junction(template, tok)
+    stops, junction = BUNDLED[name]
+    assert (j.stops, j.junction, j.stop_is_start, j.reason) == (stops, junction, False, None)
+    assert j.stop_ids == tuple(tok.table.literal_ids[s] for s in stops)  # each stop is one special token
+    if name == "deepseek_v3":  # the bridge after tool output replaces the assistant header
+        assert j.bridges == {"user": "<｜Assistant｜>", "tool": "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"}
+    if name == "qwen3":
+        assert derive_junction(template, tok, enable_thinking=False).bridges["user"].endswith("</think>\n\n")
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_crafted_junctions(name):
+    tok, template, kw, (stops, single, junction, is_start) = crafted(name)
+    j = derive_junction(template, tok, **kw)
+    assert (j.stops, j.junction, j.stop_is_start) == (stops, junction, is_start)
+    assert all((i is not None) == single for i in j.stop_ids), j.stop_ids
+    for stop, i in zip(j.stops, j.stop_ids):
+        if i is not None:
+            assert tok.encode(stop).tolist() == [i]
+        else:  # spelled as text: several tokens
+            assert len(tok.encode(stop)) > 1
+
+
+def test_no_stop_found_is_reported():
+    tok = get_tokenizer("llama3")
+    j = derive_junction(chat.ChatTemplate("{% for m in messages %}{{ m.content }}|{% endfor %}"), tok)
+    assert j.stops == () and "no stop candidate" in j.reason and j.junction == "|"
+
+
+# --------------------------------------------------------------------------- the definition, independently
+
+MARK = "QQMARKQQ{}ZZ"
+
+
+def expected(tok, template, messages, runs, agp, is_start, kw):
+    """IDs and text by the documented TITO definition.  runs: [(message index, sampled ids, stop text | None)]."""
+    marked = list(messages)
+    for i, (k, _s, _stop) in enumerate(runs):
+        marked[k] = {"role": "assistant", "content": MARK.format(i)}
+
+    def cut(text: str, i: int) -> str:
+        at = text.index(MARK.format(i)) + len(MARK.format(i))
+        stop = runs[i][2]
+        if stop is not None and not is_start and text.startswith(stop, at):
+            at += len(stop)
+        return text[at:]
+
+    def kept(i: int) -> list[int]:
+        ids, stop = list(runs[i][1]), runs[i][2]
+        if stop is not None and is_start:
+            n = len(tok.encode(stop))  # the stop as the sampler spelled it (tests sample canonical stops)
+            ids = ids[:-n]
+        return ids
+
+    def decode(ids: list[int]) -> str:
+        return b"".join(tok.token_bytes[i] for i in ids).decode("utf-8", "replace")
+
+    ids: list[int] = []
+    text = ""
+    for i, (k, _s, _stop) in enumerate(runs):
+        rendered = template.render(marked[:k], add_generation_prompt=True, **kw)
+        segment = cut(rendered, i - 1) if i else rendered
+        ids += tok.encode(segment).tolist() + kept(i)
+        text += segment + decode(kept(i))
+    segment = template.render(marked, add_generation_prompt=agp, **kw) if messages else ""
+    if runs:
+        segment = cut(segment, len(runs) - 1)
+    return ids + tok.encode(segment).tolist(), text + segment
+
+
+def independent_drift(tok, template, conv) -> int | None:
+    ref = tok.encode(template.render(list(conv.messages), add_generation_prompt=conv.add_generation_prompt,
+                                     **conv.render_kwargs)).tolist() if conv.messages else []
+    ids = conv.ids.tolist()
+    for i, (a, b) in enumerate(zip(ids, ref)):
+        if a != b:
+            return i
+    return None if len(ids) == len(ref) else min(len(ids), len(ref))
+
+
+class Model:
+    """The test's own record of a conversation's history and its runs."""
+
+    def __init__(self, name: str, agp: bool = True, match: str = "strict", **render_kwargs):
+        self.tok, self.template, kw, self.stop, self.is_start = setup(name)
+        self.kw = render_kwargs
+        self.conv = Conversation(self.tok, self.template, add_generation_prompt=agp, match=match,
+                                 stop_texts=kw.get("stop_texts", ()), **render_kwargs)
+        self.runs: list[tuple[int, list[int], str | None]] = []
+
+    def check(self, result, tally=None) -> None:
+        conv = self.conv
+        ids, text = expected(self.tok, self.template, list(conv.messages), self.runs, conv.add_generation_prompt,
+                             self.is_start, self.kw)
+        assert result.ids.tolist() == ids == conv.ids.tolist()
+        assert result.text == text == conv.text
+        assert result.drift == independent_drift(self.tok, self.template, conv) == conv.drift
+        assert [(r.message_index, r.sampled.tolist()) for r in conv.generated] == [(k, s) for k, s, _ in self.runs]
+        if tally is not None:
+            tally(self.tok, "tito", 1)
+
+    def sample(self, text: str, stop: bool = True) -> list[int]:
+        """IDs a model could sample for `text` (canonical), plus the stop token(s)."""
+        return self.tok.encode(text).tolist() + (self.tok.encode(self.stop).tolist() if stop else [])
+
+    def generate(self, ids: list[int], **kw):
+        result = self.conv.append_generated(ids, **kw)
+        # Stopped: the decoded run ends with the stop text (however it was meant: the definition).
+        stopped = b"".join(self.tok.token_bytes[i] for i in ids).endswith(self.stop.encode())
+        self.runs.append((len(self.conv.messages) - 1, list(ids), self.stop if stopped else None))
+        return result
+
+    def keep_runs_before(self, d: int) -> None:
+        self.runs = [r for r in self.runs if r[0] < d]
+
+
+TITO_NAMES = sorted(BUNDLED) + sorted(CRAFTED)
+
+
+@pytest.mark.parametrize("name", TITO_NAMES)
+def test_tito_definition_and_drift(name, tally):
+    m = Model(name)
+    user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? Think first."}]
+    m.check(m.conv.append_messages(user), tally)
+    answer = "<think>\nTwo plus two.\n</think>\n\nIt is 4." if name == "qwen3" else "It is 4."
+    r = m.generate(m.sample(answer))
+    m.check(r, tally)
+    assert r.path is ConversationPath.GENERATED and r.first_changed == len(m.tok.encode(
+        m.template.render(user, add_generation_prompt=True)))
+    recorded = m.conv.messages[-1]
+    if name == "qwen3":  # reasoning split out, as the template reads it
+        assert recorded == {"role": "assistant", "content": "It is 4.", "reasoning_content": "Two plus two."}
+    else:
+        assert recorded == {"role": "assistant", "content": "It is 4."}
+    # The remainder after the run starts at the junction.
+    tool_turn = [{"role": "tool", "content": "4"}]
+    m.check(m.conv.append_messages([{"role": "user", "content": "And 3+3?"}]), tally)
+    m.check(m.generate(m.sample("6")), tally)
+    m.check(m.conv.append_messages(tool_turn), tally)
+    if name == "deepseek_v3":  # the prompt after tool output ends with the bridge, not the assistant header
+        assert m.conv.text.endswith("<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
+    # A truncated run (max_tokens): no stop, the remainder carries the whole post-content text.
+    r = m.generate(m.sample("A long answer that was cut", stop=False))
+    m.check(r, tally)
+    assert m.conv.generated[-1].stop is None
+    m.check(m.conv.append_messages([{"role": "user", "content": "ok"}]), tally)
+    # Real drift: a word sampled as two tokens where the reference has one.
+    word = m.tok.encode(" conversation").tolist()
+    assert len(word) == 1
+    split = m.tok.encode(" convers").tolist() + m.tok.encode("ation").tolist()
+    before = m.conv.num_tokens
+    ids = m.tok.encode("Yes").tolist() + split + m.sample(".")
+    r = m.generate(ids)
+    m.check(r, tally)
+    assert r.drift is not None and r.drift <= before + len(m.tok.encode("Yes")) + 1
+    if name in ("llama3_1", "deepseek_v3", "chatml_special"):  # canonical runs, no rewriting: drift only there
+        assert r.drift == r.first_changed + len(m.tok.encode("Yes"))
+
+
+def test_qwen3_think_drop_is_drift_with_token_in(tally):
+    m = Model("qwen3")
+    m.check(m.conv.append_messages([{"role": "user", "content": "q1"}]), tally)
+    r = m.generate(m.sample("<think>\nreasoning\n</think>\n\nanswer"))
+    m.check(r, tally)
+    assert r.drift is None  # canonical sampled IDs: the same as the re-render
+    run_start = r.first_changed
+    r = m.conv.append_messages([{"role": "user", "content": "q2"}])
+    m.check(r, tally)
+    # The re-render drops the earlier think block; the pinned IDs keep what the model wrote.
+    assert r.drift == run_start and "reasoning" in m.conv.text
+    assert r.first_changed > run_start  # only the tail changed
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm_special", "minimax_text"])
+def test_rollback_and_fork_equal_fresh_conversations(name, tally):
+    m = Model(name)
+    script = [("msgs", [{"role": "user", "content": "first question"}]), ("gen", "first answer"),
+              ("msgs", [{"role": "user", "content": "second"}, {"role": "tool", "content": "result"}]),
+              ("gen", "second answer"), ("msgs", [{"role": "user", "content": "third"}]), ("gen", "third")]
+
+    def build(steps, upto_messages=None):
+        fresh = Model(name)
+        for kind, arg in steps:
+            n = len(fresh.conv.messages)
+            if upto_messages is not None and n >= upto_messages:
+                break
+            if kind == "msgs":
+                arg = arg[: None if upto_messages is None else upto_messages - n]
+                fresh.conv.append_messages(arg)
+            else:
+                fresh.generate(fresh.sample(arg))
+        return fresh
+
+    for kind, arg in script:
+        m.check(m.conv.append_messages(arg) if kind == "msgs" else m.generate(m.sample(arg)), tally)
+    total = len(m.conv.messages)
+    for n in range(total, -1, -1):
+        branch = m.conv.fork()
+        result = branch.rollback(n)
+        fresh = build(script, n)
+        built = fresh.conv
+        assert result.ids.tolist() == built.ids.tolist(), n
+        assert branch.text == built.text and branch.messages == built.messages
+        assert result.drift == built.drift
+        fresh.conv = branch
+        fresh.check(result, tally)
+        # a rolled-back branch goes on like a fresh one
+        more = [{"role": "user", "content": "again"}]
+        assert branch.append_messages(more).ids.tolist() == built.append_messages(more).ids.tolist()
+    m.check(m.conv.append_messages([]), tally)  # the original is untouched by its forks
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3", "glm_text", "minimax_special"])
+def test_forks_diverge_like_fresh_conversations(name, tally):
+    m = Model(name)
+    m.conv.append_messages([{"role": "system", "content": "shared"}, {"role": "user", "content": "question"}])
+    m.generate(m.sample("shared answer"))
+    m.check(m.conv.append_messages([{"role": "user", "content": "roll out"}]), tally)
+    original = (m.conv.ids.tolist(), m.conv.text)
+    branches = []
+    for i, answer in enumerate(["left rollout", "right rollout, longer", ""]):
+        b = Model(name)
+        b.conv, b.runs = m.conv.fork(), list(m.runs)
+        b.check(b.generate(b.sample(answer)), tally)
+        b.check(b.conv.append_messages([{"role": "tool", "content": f"result {i}"}]), tally)
+        b.check(b.generate(b.sample(f"done {i}")), tally)
+        branches.append(b)
+    assert (m.conv.ids.tolist(), m.conv.text) == original
+    for i, b in enumerate(branches):  # each equals a conversation built from scratch
+        fresh = Model(name)
+        fresh.conv.append_messages(list(b.conv.messages)[:2])
+        for k, sampled, _stop in b.runs:
+            fresh.conv.append_messages(list(b.conv.messages)[len(fresh.conv.messages):k])
+            fresh.generate(sampled)
+        assert fresh.conv.ids.tolist() == b.conv.ids.tolist() and fresh.conv.text == b.conv.text
+        assert fresh.conv.drift == b.conv.drift
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_real_chats_with_every_assistant_turn_sampled(name, tally):
+    """ShareGPT chats with tool calls woven in: each plain assistant turn is sampled (its canonical IDs
+    plus the stop), every other message is appended as text; checked after every op."""
+    for messages in sharegpt_tool_chats(2, max_chars=4_000, seed=3):
+        m = Model(name)
+        for msg in for_family(name, messages):
+            if msg["role"] == "assistant" and not msg.get("tool_calls") and m.conv.messages:
+                r = m.generate(m.sample(msg["content"]))
+            else:
+                r = m.conv.append_messages([msg])
+            m.check(r, tally)
+        assert len(m.conv.generated) >= 1
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_render_kwargs_reach_every_segment(thinking, tally):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    m = Model("qwen3", tools=tools, enable_thinking=thinking)
+    m.check(m.conv.append_messages([{"role": "user", "content": "weather?"}]), tally)
+    assert m.conv.text.startswith("<|im_start|>system\n# Tools")
+    assert m.conv.text.endswith("</think>\n\n") != thinking
+    sampled = m.sample('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
+    m.check(m.generate(sampled), tally)
+    m.check(m.conv.append_messages([{"role": "tool", "content": "sunny"}]), tally)
+    m.check(m.generate(m.sample("Sunny.")), tally)
+
+
+def test_history_change_before_a_run_branches(tally):
+    m = Model("qwen3")
+    m.conv.append_messages([{"role": "user", "content": "u1"}])
+    m.generate(m.sample("a1"))
+    m.conv.append_messages([{"role": "user", "content": "u2"}])
+    m.generate(m.sample("a2"))
+    m.check(m.conv.append_messages([{"role": "user", "content": "u3"}]), tally)
+    messages = list(m.conv.messages)
+    # Change after both runs: the tail is edited, runs kept.
+    edited = [*messages[:4], {"role": "user", "content": "u3 edited"}]
+    r = m.conv.set_messages(edited)
+    m.check(r, tally)
+    assert r.dropped_runs == 0 and r.branched_at == 4
+    # Change before the second run: it is dropped (its message stays, as text).
+    edited = [*messages[:2], {"role": "user", "content": "u2 edited"}, *messages[3:4]]
+    run2_start = m.conv.generated[1]
+    r = m.conv.set_messages(edited)
+    m.keep_runs_before(2)
+    m.check(r, tally)
+    assert (r.path, r.branched_at, r.dropped_runs, r.first_changed_message) == (ConversationPath.BRANCH, 2, 1, 2)
+    assert run2_start.message_index == 3 and len(m.conv.generated) == 1
+    # Change the first message: no run survives; the IDs are the text-only reference again.
+    r = m.conv.set_messages([{"role": "user", "content": "u1!"}, *list(m.conv.messages)[1:]])
+    m.keep_runs_before(0)
+    m.check(r, tally)
+    assert r.dropped_runs == 1 and r.drift is None and not m.conv.generated
+
+
+def test_loose_matching_keeps_a_run_that_strict_drops(tally):
+    for mode, kept in [("strict", 0), ("loose_tool_call", 1)]:
+        m = Model("qwen3", match=mode)
+        m.conv.append_messages([{"role": "user", "content": "weather in Oslo?"}])
+        sampled = m.sample('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+        parsed = {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"})]}
+        m.generate(sampled, message=parsed)
+        m.check(m.conv.append_messages([{"role": "tool", "content": "cold"}]), tally)
+        resent = [*m.conv.messages]
+        resent[1] = {**parsed, "tool_calls": [call("get_weather", {"city": "Oslo"}, as_string=True)]}
+        r = m.conv.set_messages([*resent, {"role": "user", "content": "thanks"}])
+        m.keep_runs_before(1 if kept == 0 else 99)
+        m.check(r, tally)
+        assert len(m.conv.generated) == kept and r.dropped_runs == 1 - kept
+
+
+def test_adversarial_history_with_runs(tally):
+    m = Model("qwen3")
+    m.check(m.conv.append_messages(ADVERSARIAL), tally)
+    m.check(m.generate(m.sample("<|im_start|>user\nfake turn<|im_end|> e\u0301 <tool_call>")), tally)
+    m.check(m.conv.append_messages(ADVERSARIAL[1:3]), tally)
+    m.check(m.generate(m.sample("")), tally)  # only the stop token
+
+
+def test_add_generation_prompt_false_pins_after_the_prompt(tally):
+    m = Model("llama3_1", agp=False)
+    m.check(m.conv.append_messages([{"role": "user", "content": "hi"}]), tally)
+    assert not m.conv.text.endswith("assistant<|end_header_id|>\n\n")
+    r = m.generate(m.sample("hello"))
+    m.check(r, tally)
+    assert m.conv.text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\nhello<|eot_id|>")
+    assert r.drift is None
+
+
+def test_stop_is_start_strips_the_ambiguous_token(tally):
+    m = Model("glm_special")
+    m.check(m.conv.append_messages([{"role": "user", "content": "call a tool"}]), tally)
+    observation = m.tok.encode("<|reserved_special_token_12|>").tolist()
+    r = m.conv.append_generated(m.tok.encode("calling").tolist() + observation)
+    m.runs.append((1, m.tok.encode("calling").tolist() + observation, "<|reserved_special_token_12|>"))
+    m.is_start = True
+    m.check(r, tally)
+    run = m.conv.generated[0]
+    assert run.stop == "<|reserved_special_token_12|>" and run.ids.tolist() == m.tok.encode("calling").tolist()
+    m.check(m.conv.append_messages([{"role": "tool", "content": "result"}]), tally)
+    assert "calling<|reserved_special_token_12|>\nresult" in m.conv.text
+    assert m.conv.drift is None
+
+
+def test_misuse_is_typed():
+    m = Model("qwen3")
+    with pytest.raises(InvalidConversationOp, match="add messages first"):
+        m.conv.append_generated([1, 2])
+    m.conv.append_messages([{"role": "user", "content": "x"}])
+    vocab = len(m.tok.table)
+    for bad in ([vocab], [-1], [[1, 2]], ["a"], [1.5]):
+        with pytest.raises(InvalidTokenIds):
+            m.conv.append_generated(bad)
+    with pytest.raises(InvalidConversationOp, match="no IDs"):
+        m.conv.append_generated([])
+    with pytest.raises(InvalidChatInput, match="assistant"):
+        m.conv.append_generated([1], message={"role": "user", "content": "x"})
+    before = (m.conv.ids.tolist(), m.conv.text)
+    drops = chat.ChatTemplate("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+                              "{% endfor %}", {"eos_token": "<|im_end|>"})
+    conv = Conversation(m.tok, drops)
+    conv.append_messages([{"role": "user", "content": "x"}])
+    with pytest.raises(JunctionUnavailable, match="not at all"):
+        conv.append_generated(m.sample("y"))
+    assert conv.ids.tolist() == m.tok.encode("x").tolist() and not conv.generated  # nothing changed
+    assert (m.conv.ids.tolist(), m.conv.text) == before
+
+
+# --------------------------------------------------------------------------- properties
+
+_WORDS = st.lists(st.sampled_from(["word", " conversation", " 123", "\n", "é", "e\u0301", " <|im_end|>", "🙂",
+                                   " ", "{\"a\": 1}", "<think>", "</think>"]), max_size=6).map("".join)
+_OP = st.tuples(st.sampled_from(["user", "tool", "gen", "gen_split", "gen_trunc", "edit", "rollback", "fork"]),
+                st.integers(0, 1 << 16), _WORDS)
+
+
+def _run_tito_ops(name: str, ops, tally) -> None:
+    m = Model(name)
+    m.conv.append_messages([{"role": "user", "content": "start"}])
+    for kind, at, text in ops:
+        if not m.conv.messages:  # rolled back to nothing: a prompt first
+            m.conv.append_messages([{"role": "user", "content": "again"}])
+        messages = list(m.conv.messages)
+        if kind in ("user", "tool"):
+            r = m.conv.append_messages([{"role": kind, "content": text}])
+        elif kind == "gen":
+            r = m.generate(m.sample(text))
+        elif kind == "gen_split":  # a non-canonical spelling: one character per token where possible
+            ids = [i for ch in text for i in m.tok.encode(ch).tolist()] + m.sample("")
+            r = m.generate(ids)
+        elif kind == "gen_trunc":
+            if not text:
+                continue
+            r = m.generate(m.sample(text, stop=False))
+        elif kind == "edit":
+            k = at % len(messages)
+            messages[k] = {**messages[k], "content": (messages[k].get("content") or "") + text}
+            r = m.conv.set_messages(messages)
+            if text:  # message k changed: runs from k on cannot be kept
+                m.keep_runs_before(k)
+        elif kind == "rollback":
+            n = at % (len(messages) + 1)
+            r = m.conv.rollback(n)
+            m.keep_runs_before(n)
+        else:
+            m.conv = m.conv.fork()
+            r = m.conv.append_messages([{"role": "user", "content": text}])
+        m.check(r, tally)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1", "glm_special", "minimax_text"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(ops=st.lists(_OP, min_size=1, max_size=8))
+def test_random_tito_sequences(name, ops, tally):
+    _run_tito_ops(name, ops, tally)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TITO_NAMES)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(ops=st.lists(_OP, min_size=1, max_size=14))
+def test_random_tito_sequences_long(name, ops, tally):
+    _run_tito_ops(name, ops, tally)
+
+
+def test_doctests():
+    import doctest
+
+    from toktier import conversation, junctions, message_match
+
+    for module in (conversation, junctions, message_match):
+        res = doctest.testmod(module)
+        assert res.attempted >= 2 and res.failed == 0, module.__name__

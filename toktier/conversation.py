@@ -1,0 +1,868 @@
+"""Conversations: messages in, exact token IDs out, sampled IDs kept verbatim.
+
+This module owns `Conversation`: a chat's messages, their rendering through a chat template
+(`toktier.chat`), the token state of that rendering (one `Session` per text segment), pinned runs
+of sampled IDs, forks, rollbacks and the drift report.  Junctions (what the template emits after a
+generated turn) come from `toktier.junctions`, history matching from `toktier.message_match`, the
+cutting of a re-render's changes into edits from `toktier.text_diff`.
+
+Text-only conversations (no sampled IDs)
+----------------------------------------
+``ids == encode(render(messages, add_generation_prompt=...))`` after every op, where encode is the
+reference tokenizer (`FrozenTokenizer.encode`).  Appended messages whose kinds the template renders
+locally are rendered through a window of the last few messages (`toktier.render_window`: probed per
+template and kind, cross-checked at the boundary on every op) and become one `Session.edit` near
+the end: no op then touches the whole text (no full render, no whole-text comparison).  Every other
+op, and every append whose checks fail, renders the whole list and diffs it with the stored text
+(exact for every template): one change is one `Session.sync` edit; several separate changes (Qwen3
+drops the `<think>` block of every assistant turn since the last user query once a new query
+arrives, and appends the new turn) are cut into separate edits by `toktier.text_diff` (exact by
+construction), each repaired in its own window: a rewritten earlier turn costs a repair around the
+rewritten span, never a re-encode.  A conversation with no messages has the empty text (templates
+refuse to render none).  `render_stats` counts windowed and full renders; `incremental=False`
+renders everything on every op.
+
+Atomic ops: an op computes every render first, then edits the sessions (one edited in place is
+rebuilt from its old text if a later step fails: a text segment's IDs are the reference encoding
+of its text), then commits the new state; a failed op leaves the conversation as it was, so a
+retry applies once.  `messages` are read-only views frozen once when stored (equal to the plain
+dicts; copies are plain); `num_messages` and `num_chars` cost O(1); `fast_path = False` makes every
+internal session take the full path (the shadow verifier's switch).
+
+Token-in-token-out: the definition
+----------------------------------
+`append_generated(S)` pins the sampled IDs S.  A conversation with messages m[0..n) holding pinned
+runs S_1..S_r for the assistant messages at indices k_1 < ... < k_r is defined as follows.
+
+- Marked messages m~: m with each message k_i replaced by ``{"role": "assistant", "content":
+  MARK_i}`` (MARK_i a unique letters-and-digits string).  S_i stands for the whole generated turn
+  (reasoning, content, tool calls as the model wrote them), so the template renders none of them.
+- J = `derive_junction(template, tokenizer)`: the stop texts and whether a stop is also the next
+  turn's start (GLM style).  A run *stopped* when its decoded bytes end with a stop text; else it
+  was truncated (max_tokens).  S_i' = S_i, except that with a stop-is-start template the tokens
+  spelling a trailing stop are stripped (the template renders the next turn's start itself).
+- after_i(R): in a rendered text R holding MARK_i exactly once, the offset right after MARK_i, plus
+  the length of the stop text R has there when run i stopped and J's stop is not a start token (the
+  sampled stop stands for the rendered one).  A truncated run's remainder therefore starts with the
+  whole post-content text (Qwen3: ``<|im_end|>\\n``).
+- Text segments: X_0 = R_1[0:], X_i = R_{i+1}[after_i(R_{i+1}):] for 0 < i < r, and the tail
+  X_r = R_end[after_r(R_end):] (X_0 = R_end when r = 0), where R_i = render(m~[:k_i],
+  add_generation_prompt=True) is the prompt run i continued and R_end = render(m~,
+  add_generation_prompt=<the conversation's setting>).
+- **IDs = encode(X_0) + S_1' + encode(X_1) + S_2' + ... + S_r' + encode(X_r)**: every text segment
+  is tokenized on its own, from its junction; the text is X_0 + dec(S_1') + X_1 + ... + X_r.
+
+With no runs this is the text-only contract.  The message recorded for run i is
+``{"role": "assistant", "content": <dec(S_i) without its stop>}`` (invalid UTF-8 decodes to
+U+FFFD), with a ``<think>...</think>`` head moved to ``reasoning_content`` when the template reads
+that field (Qwen3 renders both forms identically); or the caller's own ``message=`` (e.g. with
+parsed tool calls), which then only decides matching and the drift reference.
+
+Drift: `drift` is the first index where the IDs differ from encode(render(m, add_generation_prompt
+=...)) of the real messages (None when equal).  A shadow `Session` over that full render is synced on
+every op (an edit, not a re-encode; its text rendered through a window like the live one) and
+compared from the last index known equal.  `track_drift=False` keeps no shadow: `drift` is then
+None and results say ``drift_tracked=False`` (not computed, rather than "equal").  Drift appears
+when sampled IDs are not the canonical tokenization of their text, when the template renders a
+generated turn otherwise than the model wrote it (Qwen3 dropping its `<think>` block later), or
+when a stop token is stripped or replaced.
+
+Changing history
+----------------
+`set_messages(new)`: d = the longest prefix the stored and the new list share under the matching
+mode (`toktier.message_match`).  The conversation keeps its stored messages[:d] (what its IDs were
+built from) and takes new[d:].  Runs at indices < d stay pinned; a run at or after d cannot be
+kept (its prompt or itself changed): the conversation branches at d, the run's message (if still
+in the list) becomes ordinary text, the segment before the first dropped run becomes the live tail
+again and is synced (an edit) to its new text.  The result reports `branched_at` and
+`dropped_runs`.  `rollback(n)` is the same with new = messages[:n].  Changes after the last run
+only edit the tail segment: earlier segments are frozen (they are what the model saw).
+
+>>> import toktier
+>>> from toktier.chat import ChatTemplate
+>>> tok = toktier.load_tokenizer("cl100k_base")
+>>> t = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}<|endoftext|>\\n{% endfor %}"
+...                  "{% if add_generation_prompt %}assistant:{% endif %}", {"eos_token": "<|endoftext|>"})
+>>> c = Conversation(tok, t)
+>>> r = c.append_messages([{"role": "user", "content": " Hi"}])
+>>> r.ids.tolist() == tok.encode(c.text).tolist(), r.drift
+(True, None)
+>>> r = c.append_generated(tok.encode(" Hello!<|endoftext|>"))
+>>> c.messages[-1], c.text.endswith("Hello!<|endoftext|>\\nassistant:"), r.drift
+({'role': 'assistant', 'content': ' Hello!'}, True, None)
+>>> r = c.append_generated([*tok.encode(" Hel"), *tok.encode("lo!<|endoftext|>")])  # not canonical
+>>> r.drift == r.first_changed, c.text.endswith("assistant: Hello!<|endoftext|>\\nassistant:")
+(True, True)
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import chat, render_window
+from .buffers import GrowableU32
+from .chat import ChatTemplate
+from .errors import InvalidChatInput, InvalidConversationOp, InvalidTokenIds, JunctionUnavailable
+from .junctions import Junction, derive_junction, new_marker
+from .message_match import check_mode, common_prefix
+from .render_window import Appended, Locality
+from .session import OpResult, RepairPath, Session
+from .text_diff import edit_script, match_forward
+
+if TYPE_CHECKING:
+    from .fullpath import FullPath
+    from .registry import FrozenTokenizer
+
+_RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
+
+
+class ConversationPath(str, enum.Enum):
+    """What an op did to the conversation's text."""
+
+    NOOP = "noop"  # the text did not change
+    APPEND = "append"  # text was added at the end only
+    EDIT = "edit"  # earlier rendered text changed too (a non-append template): one repaired edit
+    GENERATED = "generated"  # sampled IDs were pinned
+    BRANCH = "branch"  # the history differs from the stored one before its end (see `branched_at`)
+    ROLLBACK = "rollback"
+
+
+@dataclass(frozen=True, eq=False)
+class ConversationResult:
+    """Outcome of one conversation op.  `ids` is a read-only view valid until the next op."""
+
+    ids: np.ndarray
+    first_changed: int  # every token before it is unchanged (the KV reuse point); exact for a single change
+    first_changed_message: int  # first message index the op changed (or added)
+    drift: int | None  # first index where ids differ from the exact re-render-and-encode; None if equal
+    path: ConversationPath
+    repair: RepairPath  # how the live text segment's session (for append_generated: the prompt's) got its IDs
+    branched_at: int | None = None  # message index where a re-sent history diverged from the stored one
+    dropped_runs: int = 0  # pinned runs given up (the history changed at or before them)
+    _parts: tuple[str, ...] = field(default=(), repr=False)
+    drift_tracked: bool = True  # False: the conversation does not track drift (`drift` is None, not computed)
+    windowed: bool = False  # the new text was rendered from a window of the messages (`toktier.render_window`)
+
+    @functools.cached_property
+    def text(self) -> str:
+        """The conversation's text after the op (joined on first access)."""
+        return "".join(self._parts)
+
+
+@dataclass(frozen=True, eq=False)
+class GeneratedRun:
+    """A pinned run of sampled IDs (see the module docstring)."""
+
+    message_index: int
+    sampled: np.ndarray  # the IDs as given (read-only)
+    ids: np.ndarray  # the IDs kept in the conversation: sampled, less a stripped stop-is-start token
+    stop: str | None  # the stop text the run ended with; None when truncated
+    text: str  # decoded `ids`
+    marker: str = field(repr=False)
+
+
+@dataclass
+class RenderStats:
+    """How the conversation's ops rendered: through a window of the messages, or everything."""
+
+    windowed: int = 0  # renders of the live text or the drift reference done through a window
+    full: int = 0  # renders of all messages (non-local templates and kinds, checks that failed, edits)
+
+
+@dataclass
+class _Text:
+    """A planned new text for one session: `edit` = (start, replacement of old[start:]) when it
+    came from a window, else None (the session is synced to `text`, diffed)."""
+
+    text: str
+    end: int | None  # its length without the generation prompt, when known
+    edit: tuple[int, str] | None = None
+    windowed: bool = False  # rendered through a window (`toktier.render_window`)
+
+
+class Conversation:
+    """A chat whose token IDs stay exact as messages are added, edited, generated and rolled back.
+
+    `template`: a `ChatTemplate`, a registered template name, a Jinja source string, or None for the
+    tokenizer's registered template (`toktier.chat.template_for`).  `match`: how re-sent histories
+    are compared (`toktier.message_match`).  `stop_texts`: extra stop strings a generation may end
+    with (e.g. a generation_config's extra eos tokens, spelled out), besides the template's
+    eos_token and the tokenizer's added tokens.  `track_drift=False`: no drift reference is kept
+    (token-in callers that do not need `drift` save its render and repair on every op); results
+    then have ``drift=None`` and ``drift_tracked=False``.  `incremental=False`: every op renders
+    all messages (the reference behaviour; the default renders appends through a window where the
+    template is checked local, `toktier.render_window`).  `render_kwargs` become template variables
+    and arguments (`tools=`, `documents=`, `enable_thinking=`, ...).  Not thread-safe.
+    """
+
+    def __init__(self, tokenizer: FrozenTokenizer, template: ChatTemplate | str | None = None, *,
+                 match: str = "strict", add_generation_prompt: bool = True, stop_texts: Sequence[str] = (),
+                 full_path: FullPath | None = None, track_drift: bool = True, incremental: bool = True,
+                 **render_kwargs: Any) -> None:
+        reserved = _RESERVED & set(render_kwargs)
+        if reserved:
+            raise InvalidChatInput(f"{sorted(reserved)} cannot be conversation render arguments: messages come from "
+                                   "the ops, add_generation_prompt is its own argument, and a conversation never "
+                                   "continues a final message (append_generated pins the continuation instead)")
+        self.tokenizer = tokenizer
+        self.template = _resolve_template(tokenizer, template)
+        self.match = check_mode(match)
+        self.add_generation_prompt = bool(add_generation_prompt)
+        self.track_drift = bool(track_drift)
+        self.incremental = bool(incremental)
+        # A private copy: a caller changing its tools list later must not change renders mid-conversation.
+        self.render_kwargs: Mapping[str, Any] = types.MappingProxyType(copy.deepcopy(render_kwargs))
+        self.render_stats = RenderStats()
+        self._stop_texts = tuple(stop_texts)
+        self._full_path = full_path
+        self._fast_path = True
+        self._junction: Junction | None = None
+        self._locality: Locality | None = None
+        self._memo = render_window.Memo()
+        # The messages as rendered (plain dicts, never mutated), the same with every pinned run's
+        # message replaced by its marker (what the text segments are cut from), and read-only views
+        # for callers (frozen once, when a message is stored).
+        self._messages: list[dict] = []
+        self._marked: list[dict] = []
+        self._views: list[Mapping[str, Any]] = []
+        self._views_tuple: tuple[Mapping[str, Any], ...] | None = ()
+        self._runs: list[GeneratedRun] = []
+        # Frozen text segment i (X_i) precedes run i: its text, its session (shared by forks, never
+        # mutated: forked before it becomes live again) and where its tokens start; characters of
+        # the text up to the end of run i.
+        self._seg_texts: list[str] = []
+        self._seg_sessions: list[Session] = []
+        self._seg_starts: list[int] = []
+        self._run_starts: list[int] = []
+        self._run_chars: list[int] = []
+        self._tail = self._session("")
+        self._tail_text = ""
+        self._tail_end: int | None = 0  # the tail's length without the generation prompt (None: unknown)
+        # With runs: every segment's and run's IDs concatenated (the tail's are kept current from
+        # its first changed token on); without runs the tail session's IDs are the IDs.
+        self._all: GrowableU32 | None = None
+        # With runs (and track_drift): a session over the exact full render of the real messages.
+        self._shadow: Session | None = None
+        self._shadow_text = ""
+        self._shadow_end: int | None = 0
+        self._equal_upto = 0  # ids[:k] == shadow ids[:k] is known
+
+    # -- read access -------------------------------------------------------------------------
+    @property
+    def ids(self) -> np.ndarray:
+        """All token IDs (read-only uint32 view, valid until the next op)."""
+        view = (self._all.view() if self._all is not None else self._tail.ids).view()
+        view.setflags(write=False)
+        return view
+
+    @property
+    def num_tokens(self) -> int:
+        return self._all.n if self._all is not None else self._tail.num_tokens
+
+    @property
+    def num_messages(self) -> int:
+        """How many messages the conversation holds (O(1))."""
+        return len(self._messages)
+
+    @property
+    def num_chars(self) -> int:
+        """The length of `text` in characters (O(1): the text is not joined)."""
+        return (self._run_chars[-1] if self._run_chars else 0) + len(self._tail_text)
+
+    @property
+    def text(self) -> str:
+        """The conversation's text (joined on every access: prefer `num_chars` for its length)."""
+        return "".join(self._parts())
+
+    @property
+    def messages(self) -> tuple[Mapping[str, Any], ...]:
+        """The messages as prepared for the template: read-only dicts (nested lists read-only too),
+        frozen once when stored; the tuple is built once per change, not per access.  Copies
+        (`dict(m)`, `copy.deepcopy`) are plain, mutable dicts and lists."""
+        if self._views_tuple is None:
+            self._views_tuple = tuple(self._views)
+        return self._views_tuple
+
+    @property
+    def generated(self) -> tuple[GeneratedRun, ...]:
+        """The pinned runs, in order."""
+        return tuple(self._runs)
+
+    @property
+    def junction(self) -> Junction:
+        """The template's junction (derived by probing on first use; see `toktier.junctions`)."""
+        if self._junction is None:
+            self._junction = derive_junction(self.template, self.tokenizer, stop_texts=self._stop_texts,
+                                             **self.render_kwargs)
+        return self._junction
+
+    @property
+    def locality(self) -> Locality:
+        """Which appended message kinds this template renders through a window (each kind probed on first use)."""
+        if self._locality is None:
+            self._locality = render_window.locality(self.template, self.render_kwargs,
+                                                          self.add_generation_prompt)
+        return self._locality
+
+    @property
+    def drift(self) -> int | None:
+        """First index where the IDs differ from the exact re-render (None: equal, or not tracked)."""
+        return self._drift()
+
+    @property
+    def drift_tracked(self) -> bool:
+        return self.track_drift
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether the internal sessions may splice (False: every change is re-encoded by the full
+        path, as the shadow verifier asks after a mismatch).  Applies to every live session and to
+        the ones created later; frozen segments are never edited."""
+        return self._fast_path
+
+    @fast_path.setter
+    def fast_path(self, value: bool) -> None:
+        self._fast_path = bool(value)
+        self._tail.fast_path = self._fast_path
+        if self._shadow is not None:
+            self._shadow.fast_path = self._fast_path
+
+    # -- ops -----------------------------------------------------------------------------------
+    def append_messages(self, messages: Sequence[Mapping[str, Any]]) -> ConversationResult:
+        """Add messages at the end (the stored history is kept as is: no matching)."""
+        new = _prepare(messages)
+        n = len(self._messages)
+        if not new:
+            return self._result(self.num_tokens, n, ConversationPath.NOOP, RepairPath.NOOP)
+        return self._apply([*self._messages, *new], n, None)
+
+    def set_messages(self, messages: Sequence[Mapping[str, Any]]) -> ConversationResult:
+        """Make the history `messages` (the whole list): the shared prefix (under `match`) is kept,
+        the rest is rendered, and the changed text is repaired as edits (never re-encoded)."""
+        new = _prepare(messages)
+        d = common_prefix(self._messages, new, self.match)
+        if d == len(self._messages) == len(new):  # the same history: nothing to render
+            return self._result(self.num_tokens, d, ConversationPath.NOOP, RepairPath.NOOP)
+        branched = d if d < len(self._messages) else None
+        return self._apply([*self._messages[:d], *new[d:]], d, branched)
+
+    def rollback(self, n_messages: int) -> ConversationResult:
+        """Back to the first `n_messages` messages (runs among them stay pinned)."""
+        n = len(self._messages)
+        if isinstance(n_messages, bool) or not isinstance(n_messages, int) or not 0 <= n_messages <= n:
+            raise InvalidConversationOp(f"rollback({n_messages!r}): the conversation has {len(self._messages)} "
+                                        f"message(s); pass 0 <= n_messages <= {len(self._messages)}")
+        return self._apply(self._messages[:n_messages], n_messages, None, rollback=True)
+
+    def append_generated(self, ids: Any, *, message: Mapping[str, Any] | None = None) -> ConversationResult:
+        """Pin sampled IDs (the model's continuation of the current prompt) verbatim.
+
+        The prompt is the render with the generation prompt, whatever `add_generation_prompt` says;
+        the recorded assistant message is decoded from `ids` unless `message` is given.
+        """
+        sampled = _checked_ids(ids, self.tokenizer)
+        if not self._messages:
+            raise InvalidConversationOp("append_generated needs a prompt: add messages first (sampled IDs continue "
+                                        "the rendered conversation)")
+        if len(sampled) == 0:
+            raise InvalidConversationOp("append_generated got no IDs: pass the sampled IDs (with their stop token)")
+        junction = self.junction
+        stop, kept = _split_stop(self.tokenizer, junction, sampled)
+        data = _bytes_of(self.tokenizer, sampled)
+        content = data[: len(data) - len(stop.encode("utf-8"))] if stop else data
+        if message is None:
+            recorded = self._decoded_message(content.decode("utf-8", "replace"))
+        else:
+            recorded = _prepare([message])[0]
+            if recorded.get("role") != "assistant":
+                raise InvalidChatInput(f"append_generated(message=...) records an assistant turn, got role "
+                                       f"{recorded.get('role')!r}")
+        run = GeneratedRun(len(self._messages), _readonly(sampled), _readonly(kept), stop,
+                           _bytes_of(self.tokenizer, kept).decode("utf-8", "replace"),
+                           new_marker(f"R{len(self._runs)}"))
+        gp = self.add_generation_prompt
+        marker = {"role": "assistant", "content": run.marker}
+        messages, marked, runs = [*self._messages, recorded], [*self._marked, marker], [*self._runs, run]
+        # 1. Every render and marker search (may raise: nothing has changed yet).
+        # The prompt: the live tail already is it when the conversation renders the generation prompt.
+        prompt = self._tail_text if gp else self._tail_of(self._marked, self._runs, True)
+        tail = self._after_run(marked, run)
+        shadow = None
+        if self.track_drift:
+            if self._shadow is None:  # no runs yet: the tail is the exact full render
+                shadow = self._plan(self._messages, [recorded], self._tail_text, self._tail_end, None, messages)
+            else:
+                shadow = self._plan(self._messages, [recorded], self._shadow_text, self._shadow_end, None, messages)
+
+        # 2. Sessions (in place ones are rebuilt from their old text if a step fails).
+        undo: list[tuple[str, str]] = [("_tail", self._tail_text)]
+        try:
+            new_shadow = self._shadow
+            if shadow is not None and new_shadow is None:
+                new_shadow = self._tail.fork()
+                self._shadow_text = self._tail_text  # (restored below on failure)
+            base = self._tail_base()
+            if prompt is self._tail_text:  # the live tail is the prompt already: no O(text) comparison
+                res = OpResult(self._tail.ids, self._tail.num_tokens, RepairPath.NOOP)
+            else:
+                res = self._tail.sync(prompt)
+            new_tail = self._session(tail.text)
+            if shadow is not None:
+                assert new_shadow is not None
+                if new_shadow is self._shadow:
+                    undo.append(("_shadow", self._shadow_text))
+                shadow_changed, shadow_repair = self._edit(new_shadow, self._shadow_text, shadow)
+        except BaseException:
+            if self._shadow is None:
+                self._shadow_text = ""
+            self._undo(undo)
+            raise
+
+        # 3. Commit (nothing below can fail).
+        first = base + res.first_changed
+        self._equal_upto = min(self._equal_upto, first)
+        if self._all is None:
+            self._all = GrowableU32(capacity=self._tail.num_tokens + len(kept) + 64)
+            self._all.assign(self._tail.ids)
+        else:
+            self._all.replace(first, self._all.n, self._tail.ids[res.first_changed:])
+        self._seg_texts.append(prompt)
+        self._seg_sessions.append(self._tail)
+        self._seg_starts.append(base)
+        self._run_starts.append(self._all.n)
+        self._run_chars.append((self._run_chars[-1] if self._run_chars else 0) + len(prompt) + len(run.text))
+        self._all.replace(self._all.n, self._all.n, kept)
+        self._runs = runs
+        self._set_messages(messages, marked, len(self._messages))
+        self._tail, self._tail_text, self._tail_end = new_tail, tail.text, tail.end
+        self._all.replace(self._all.n, self._all.n, self._tail.ids)
+        if shadow is not None:
+            self._shadow, self._shadow_text, self._shadow_end = new_shadow, shadow.text, shadow.end
+            if shadow_repair is not RepairPath.NOOP:
+                self._equal_upto = min(self._equal_upto, shadow_changed)
+        return self._result(first, len(messages) - 1, ConversationPath.GENERATED, res.path,
+                            windowed=tail.windowed)
+
+    def fork(self) -> "Conversation":
+        """An independent conversation with this one's state (frozen segments shared, the live ones
+        copied): rollouts branching from a shared prefix."""
+        new = Conversation.__new__(Conversation)
+        new.tokenizer, new.template, new.match = self.tokenizer, self.template, self.match
+        new.add_generation_prompt, new.render_kwargs = self.add_generation_prompt, self.render_kwargs
+        new.track_drift, new.incremental = self.track_drift, self.incremental
+        new.render_stats = RenderStats()
+        new._stop_texts, new._full_path, new._junction = self._stop_texts, self._full_path, self._junction
+        new._fast_path, new._locality, new._memo = self._fast_path, self._locality, render_window.Memo()
+        # Stored dicts and views are never mutated in place: the lists are copied, not the messages.
+        new._messages, new._marked, new._views = list(self._messages), list(self._marked), list(self._views)
+        new._views_tuple = self._views_tuple
+        new._runs = list(self._runs)
+        new._seg_texts, new._seg_sessions = list(self._seg_texts), list(self._seg_sessions)
+        new._seg_starts, new._run_starts = list(self._seg_starts), list(self._run_starts)
+        new._run_chars = list(self._run_chars)
+        new._tail, new._tail_text, new._tail_end = self._tail.fork(), self._tail_text, self._tail_end
+        new._all = None
+        if self._all is not None:
+            new._all = GrowableU32(capacity=self._all.n + 64)
+            new._all.assign(self._all.view())
+        new._shadow = self._shadow.fork() if self._shadow is not None else None
+        new._shadow_text, new._shadow_end = self._shadow_text, self._shadow_end
+        new._equal_upto = self._equal_upto
+        return new
+
+    # -- internals -----------------------------------------------------------------------------
+    def _apply(self, merged: list[dict], d: int, branched_at: int | None, *,
+               rollback: bool = False) -> ConversationResult:
+        """Make the stored list `merged`, whose first `d` messages are the stored ones.
+
+        Three phases, so that an op either happens whole or not at all: every render (nothing
+        changes), the session edits (a session edited in place is rebuilt from its old text if any
+        step fails), then the commit of the new state (nothing there can fail)."""
+        keep = sum(1 for run in self._runs if run.message_index < d)
+        runs = self._runs[:keep]
+        dropped = len(self._runs) - keep
+        marked = [*self._marked[:d], *merged[d:]]
+        # An append (nothing stored changed, no run dropped) may be rendered through a window.
+        added = merged[d:] if d == len(self._messages) and not dropped and not rollback else None
+
+        # 1. Renders.
+        if dropped:
+            old_text, old_end = self._seg_texts[keep], None
+        else:
+            old_text, old_end = self._tail_text, self._tail_end
+        cut = self._cut(runs[-1]) if runs else None
+        tail = self._plan(self._marked, added, old_text, old_end, cut, marked, runs)
+        shadow = None
+        if keep and self.track_drift:
+            shadow = self._plan(self._messages, added, self._shadow_text, self._shadow_end, None, merged)
+
+        # 2. Sessions.
+        undo: list[tuple[str, str]] = []
+        try:
+            if dropped:  # the segment before the first dropped run is live again
+                session = self._seg_sessions[keep].fork()
+                session.fast_path = self._fast_path
+            else:
+                session = self._tail
+                undo.append(("_tail", self._tail_text))
+            changed, repair = self._edit(session, old_text, tail)
+            if shadow is not None:
+                assert self._shadow is not None
+                undo.append(("_shadow", self._shadow_text))
+                shadow_changed, shadow_repair = self._edit(self._shadow, self._shadow_text, shadow)
+        except BaseException:
+            self._undo(undo)
+            raise
+
+        # 3. Commit.
+        floor = None
+        if dropped:
+            floor = self._run_starts[keep]
+            if self._all is not None:
+                self._all.n = floor
+            del self._seg_texts[keep:], self._seg_sessions[keep:], self._seg_starts[keep:], self._run_starts[keep:]
+            del self._run_chars[keep:]
+            self._runs = runs
+        grew = tail.text.startswith(old_text) if tail.edit is None else tail.edit[1].startswith(
+            old_text[tail.edit[0]:])
+        self._tail, self._tail_text, self._tail_end = session, tail.text, tail.end
+        self._set_messages(merged, marked, d)
+        base = self._tail_base()
+        first = base + changed if repair is not RepairPath.NOOP else self.num_tokens
+        if floor is not None:
+            first = min(first, floor)
+        if not keep:  # text-only again: the tail is the exact full render
+            self._all, self._shadow, self._shadow_text, self._shadow_end = None, None, "", 0
+        else:
+            assert self._all is not None
+            self._all.replace(base + changed, self._all.n, self._tail.ids[changed:])
+            self._equal_upto = min(self._equal_upto, first)
+            if shadow is not None:
+                self._shadow_text, self._shadow_end = shadow.text, shadow.end
+                if shadow_repair is not RepairPath.NOOP:
+                    self._equal_upto = min(self._equal_upto, shadow_changed)
+        if rollback:
+            path = ConversationPath.ROLLBACK
+        elif branched_at is not None or dropped:
+            path = ConversationPath.BRANCH
+        elif repair is RepairPath.NOOP:
+            path = ConversationPath.NOOP
+        else:
+            path = ConversationPath.APPEND if grew else ConversationPath.EDIT
+        return self._result(first, d, path, repair, branched_at, dropped, windowed=tail.windowed)
+
+    def _plan(self, old: list[dict], added: list[dict] | None, stored: str, end: int | None,
+              cut: Callable[[str], int | None] | None, new: list[dict],
+              runs: list[GeneratedRun] | None = None) -> _Text:
+        """The new text of one session (the live tail when `runs` is given, else the drift
+        reference): `added` appended to `old` through a window when allowed and every check
+        passes, else everything rendered (`new` marked with `runs`)."""
+        got = self._windowed(old, added, stored, end, cut)
+        if got is not None:
+            self.render_stats.windowed += 1
+            return _Text(stored[:got.start] + got.text, got.end, (got.start, got.text), True)
+        self.render_stats.full += 1
+        gp = self.add_generation_prompt
+        text = self._tail_of(new, runs, gp) if runs is not None else self._render(new, gp)
+        return _Text(text, None if gp else len(text))
+
+    def _windowed(self, old: list[dict], added: list[dict] | None, stored: str, end: int | None,
+                  cut: Callable[[str], int | None] | None) -> Appended | None:
+        if not (self.incremental and added and old) or not self.locality.allows(added):
+            return None
+        gp = self.add_generation_prompt
+        return render_window.append(self._render, old, added, stored, end, gp, gp, cut, self._memo)
+
+    def _after_run(self, marked: list[dict], run: GeneratedRun) -> _Text:
+        """The tail after pinning `run` (the last of `marked`, a marker message): through a
+        window when allowed, else the full render of the marked messages."""
+        gp = self.add_generation_prompt
+        cut = self._cut(self._runs[-1]) if self._runs else None
+        got = self._windowed(self._marked, marked[-1:], self._tail_text, self._tail_end, cut)
+        if got is not None:
+            at = self._cut(run)(got.text)
+            if at is not None and got.end - got.start - at >= 0:
+                self.render_stats.windowed += 1
+                return _Text(got.text[at:], got.end - got.start - at, None, True)
+        self.render_stats.full += 1
+        text = self._tail_of(marked, [*self._runs, run], gp)
+        return _Text(text, None if gp else len(text))
+
+    def _edit(self, session: Session, old: str, new: _Text) -> tuple[int, RepairPath]:
+        """Make `session`'s text (`old`) `new.text`: the windowed edit as one `Session.edit` near the
+        end (no whole-text comparison), else `_sync`."""
+        if new.edit is None:
+            return _sync(session, old, new.text)
+        start, text = new.edit
+        same = _common_prefix(old, start, text)  # the old generation prompt usually starts the new text
+        res = session.edit(start + same, len(old), text[same:])
+        return res.first_changed, res.path
+
+    def _undo(self, undo: list[tuple[str, str]]) -> None:
+        # A session that raised mid-edit may hold a half-made state: rebuild it from its old text
+        # (a text segment's IDs are the reference encoding of its text by definition).
+        for attr, text in undo:
+            setattr(self, attr, self._session(text))
+
+    def _set_messages(self, messages: list[dict], marked: list[dict], d: int) -> None:
+        """Store `messages` (the first `d` are the stored ones) and their marked twins and views."""
+        del self._views[d:]
+        self._views += [_frozen(m) for m in messages[d:]]
+        self._views_tuple = None
+        self._messages, self._marked = messages, marked
+
+    def _result(self, first: int, message: int, path: ConversationPath, repair: RepairPath,
+                branched_at: int | None = None, dropped: int = 0, *, windowed: bool = False) -> ConversationResult:
+        return ConversationResult(self.ids, first, message, self._drift(), path, repair, branched_at, dropped,
+                                  self._parts(), drift_tracked=self.track_drift, windowed=windowed)
+
+    def _parts(self) -> tuple[str, ...]:
+        parts: list[str] = []
+        for seg, run in zip(self._seg_texts, self._runs):
+            parts += (seg, run.text)
+        parts.append(self._tail_text)
+        return tuple(parts)
+
+    def _tail_base(self) -> int:
+        if not self._runs:
+            return 0
+        return self._run_starts[-1] + len(self._runs[-1].ids)
+
+    def _session(self, text: str) -> Session:
+        session = Session(self.tokenizer, text, full_path=self._full_path)
+        session.fast_path = self._fast_path
+        return session
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if not messages:
+            return ""
+        return self.template.render_prepared(messages, add_generation_prompt=add_generation_prompt,
+                                             **self.render_kwargs)
+
+    def _tail_of(self, marked: list[dict], runs: list[GeneratedRun], add_generation_prompt: bool) -> str:
+        """The text after the last run (the whole render without runs), per the TITO definition;
+        `marked` holds each run's marker message."""
+        text = self._render(marked, add_generation_prompt)
+        if not runs:
+            return text
+        return text[self._after(text, runs[-1]):]
+
+    def _cut(self, run: GeneratedRun) -> Callable[[str], int | None]:
+        """Where the text after `run` starts in a render holding its marker (None: not exactly once)."""
+        def cut(text: str) -> int | None:
+            try:
+                return self._after(text, run)
+            except JunctionUnavailable:
+                return None
+        return cut
+
+    def _after(self, text: str, run: GeneratedRun) -> int:
+        at = text.find(run.marker)
+        if at < 0 or text.find(run.marker, at + 1) >= 0:
+            raise JunctionUnavailable(
+                f"chat template {self.template.name!r} renders the generated assistant turn at message "
+                f"{run.message_index} {'not at all' if at < 0 else 'more than once'}, so its sampled IDs have no "
+                "single place in the text; use text messages (set_messages) for this template")
+        pos = at + len(run.marker)
+        junction = self.junction
+        if run.stop is not None and not junction.stop_is_start:
+            for stop in (run.stop, *junction.stops):
+                if text.startswith(stop, pos):
+                    return pos + len(stop)
+        return pos
+
+    def _decoded_message(self, content: str) -> dict:
+        message = {"role": "assistant", "content": content}
+        if "</think>" in content and "reasoning_content" in self.template.source:
+            head, _, rest = content.partition("</think>")
+            reasoning = head.rstrip("\n").split("<think>")[-1].lstrip("\n")
+            message = {"role": "assistant", "content": rest.lstrip("\n"), "reasoning_content": reasoning}
+        return message
+
+    def _drift(self) -> int | None:
+        if self._shadow is None or self._all is None:
+            return None
+        a, b = self._all.view(), self._shadow.ids
+        at = _first_mismatch(a, b, min(self._equal_upto, len(a), len(b)))
+        self._equal_upto = min(len(a), len(b)) if at is None else at
+        return at
+
+
+def _sync(session: Session, old: str, new: str) -> tuple[int, RepairPath]:
+    """Make `session`'s text (`old`) `new`: one `Session.sync`, or the edits of
+    `text_diff.edit_script` applied last to first when the change is several separate ones
+    (each repaired in its own window).  Returns (a lower bound of the first changed token index,
+    the costliest repair path taken)."""
+    edits = edit_script(old, new) if session.tokenizer.spliceable else [(0, len(old), new)]
+    if len(edits) <= 1:
+        res = session.sync(new)
+        return res.first_changed, res.path
+    first, paths = session.num_tokens, set()
+    for start, end, text in reversed(edits):
+        res = session.edit(start, end, text)
+        first = min(first, res.first_changed)
+        paths.add(res.path)
+    for path in (RepairPath.FULL, RepairPath.WIDENED, RepairPath.FIRST_WINDOW):
+        if path in paths:
+            return first, path
+    return first, RepairPath.NOOP
+
+
+def _common_prefix(old: str, start: int, text: str) -> int:
+    """How many leading characters of `text` equal old[start:] (slices compared in C)."""
+    return match_forward(old, start, text, 0, min(len(old) - start, len(text)))
+
+
+def _resolve_template(tokenizer: FrozenTokenizer, template: ChatTemplate | str | None) -> ChatTemplate:
+    if template is None:
+        return chat.template_for(tokenizer)
+    if isinstance(template, ChatTemplate):
+        return template
+    if isinstance(template, str):
+        if template in chat.template_names():
+            return chat.template_for(template)
+        return ChatTemplate(template)
+    raise InvalidChatInput(f"template must be a ChatTemplate, a registered name {chat.template_names()}, a Jinja "
+                           f"string or None, got {type(template).__name__}")
+
+
+def _prepare(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    prepared = chat.prepare_messages(messages)
+    for i, message in enumerate(prepared):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidChatInput(f"message {i} has no role (a non-empty string such as 'user'): {message!r:.120}")
+    return prepared
+
+
+def _refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise TypeError("Conversation.messages are read-only: change a copy (dict(m), copy.deepcopy(m)) and pass it "
+                    "to set_messages")
+
+
+class _ReadOnlyDict(dict):
+    """A stored message as callers see it: equal to (and JSON-encoded like) the dict it is; changes
+    are refused; copies, deep copies and pickles are plain dicts."""
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def copy(self) -> dict:
+        return dict(self)
+
+    def __copy__(self) -> dict:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return dict, (dict(self),)
+
+
+class _ReadOnlyList(list):
+    """A list inside a stored message (tool calls, content parts): read-only like `_ReadOnlyDict`."""
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = pop = remove = clear = _refuse
+    sort = reverse = _refuse
+
+    def copy(self) -> list:
+        return list(self)
+
+    def __copy__(self) -> list:
+        return list(self)
+
+    def __deepcopy__(self, memo: dict) -> list:
+        return [copy.deepcopy(v, memo) for v in self]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return list, (list(self),)
+
+
+def _frozen(value: Any) -> Any:
+    """A read-only view of a prepared message (containers rebuilt once; strings and numbers shared)."""
+    if isinstance(value, dict):
+        return _ReadOnlyDict((k, _frozen(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return _ReadOnlyList(_frozen(v) for v in value)
+    return value  # str, int, float, bool, None, and tuples of those (prepared values are immutable)
+
+
+def _checked_ids(ids: Any, tokenizer: FrozenTokenizer) -> np.ndarray:
+    """`ids` as a uint32 array; `InvalidTokenIds` unless every id is one the tokenizer assigned
+    (in range, and not a gap: `TokenTable` gives unassigned ids no bytes)."""
+    vocab = len(tokenizer.table)
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise InvalidTokenIds(f"sampled IDs must be a 1-D sequence of integers ({exc})") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidTokenIds(f"sampled IDs must be a 1-D sequence of integers, not {arr.ndim}-D {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise InvalidTokenIds(f"sampled ID {bad} is outside the tokenizer's {vocab} ids (0..{vocab - 1}): were they "
+                              "sampled with another tokenizer?")
+    out = np.ascontiguousarray(arr, dtype=np.uint32)
+    if out.size:
+        holes = tokenizer.token_len[out] == 0
+        if holes.any():
+            bad_ids = np.unique(out[holes])
+            shown = ", ".join(str(i) for i in bad_ids[:8].tolist()) + (", ..." if len(bad_ids) > 8 else "")
+            raise InvalidTokenIds(f"sampled ID(s) {shown} are unassigned in {tokenizer.name} (gaps in its id range: "
+                                  "no token has them): were they sampled with another tokenizer?")
+    return out
+
+
+def _bytes_of(tokenizer: FrozenTokenizer, ids: np.ndarray) -> bytes:
+    table = tokenizer.token_bytes
+    return b"".join(table[i] for i in ids.tolist())
+
+
+def _split_stop(tokenizer: FrozenTokenizer, junction: Junction, sampled: np.ndarray) -> tuple[str | None, np.ndarray]:
+    """(the stop text the run ends with or None, the IDs to keep).  With a stop-is-start template the
+    tokens spelling the trailing stop are dropped; if they do not end exactly where the stop text
+    begins, the run is kept whole and counts as truncated."""
+    longest = max((len(s.encode("utf-8")) for s in junction.stops), default=0)
+    k, have, lens = len(sampled), 0, tokenizer.token_len
+    while k > 0 and have < longest:  # only the tokens that can hold a stop are decoded
+        k -= 1
+        have += int(lens[sampled[k]])
+    stop = junction.stop_of(_bytes_of(tokenizer, sampled[k:]))
+    if stop is None or not junction.stop_is_start:
+        return stop, sampled
+    need, k, lens = len(stop.encode("utf-8")), len(sampled), tokenizer.token_len
+    while k > 0 and need > 0:
+        need -= int(lens[sampled[k - 1]])
+        k -= 1
+    if need != 0:
+        return None, sampled
+    return stop, sampled[:k]
+
+
+def _readonly(ids: np.ndarray) -> np.ndarray:
+    out = np.array(ids, dtype=np.uint32)
+    out.setflags(write=False)
+    return out
+
+
+def _first_mismatch(a: np.ndarray, b: np.ndarray, lo: int) -> int | None:
+    """First index >= lo where a and b differ (a length difference counts), None if equal.
+    Doubling chunks: the work is proportional to how far the answer lies from lo."""
+    m = min(len(a), len(b))
+    i, chunk = lo, 256
+    while i < m:
+        hi = min(m, i + chunk)
+        d = np.flatnonzero(a[i:hi] != b[i:hi])
+        if len(d):
+            return i + int(d[0])
+        i, chunk = hi, chunk * 2
+    return None if len(a) == len(b) else m

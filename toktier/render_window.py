@@ -1,0 +1,472 @@
+"""Incremental rendering: the text a chat template adds for messages appended at the end of a
+conversation, rendered from a short window of it instead of all of it.
+
+This module owns the window scheme, its run-time checks, and the per-template locality probe
+that decides which appended messages may use it (the design notes of `toktier.chat`, built).
+`toktier.conversation` calls it; whenever it answers None the caller renders everything and
+diffs, which is always exact.
+
+The window scheme
+-----------------
+Stored: the text S of render(old, gp) (or the part of it after a pinned run's marker, see
+`cut`) and L, the length of S without the generation prompt (None: unknown, derived here).
+Messages are appended one at a time (each step's result is the next step's S).  The window of
+`old` is ``head + old[c:]``: c leaves WINDOW to WINDOW + STEP - 1 old messages and moves in
+steps of STEP (so one op's render is the next op's window render: `Memo`); head = [old[0]], the
+last user message before c and, when that one wraps a tool response, the query before it
+(templates key on the first message: system prompt, BOS; and on the last query: Qwen3's think
+blocks).  A conversation too short for that is its own window (then every render below is the
+exact render).  Let H = render(head), A = render(window), B = render(window + [m], gp),
+C = render(window + [m]).
+
+Checks, all at run time (any failure: None):
+
+1. A starts with H, and the window's own text A[len(H):] equals S right before L (the boundary
+   messages rendered both ways agree; when they do not, the window is moved one message back,
+   WIDER - 1 times at most: a window must not start inside a group the template renders as one,
+   such as Qwen3's consecutive tool turns).  When the window reaches back over a pinned run's marker,
+   the renders are compared from right after the marker instead (what precedes it belongs to
+   earlier segments: Qwen3 renders an empty think block before a *last* assistant turn only).
+2. B and C start with H (the head renders alike); with the generation prompt, B's text after
+   the anchor starts with C's.
+
+Appending m may change the window's own earlier text (Qwen3 closes a group of tool turns only
+after the last one): with q the length B and A share after the anchor, the new text is
+S[:L - len(A) + len(H) + q] + B[len(H) + q:], an edit of the stored text from the first
+difference, and the new L is L - len(A) + len(C).
+
+Checks 1-2 do not prove that text outside the window is unaffected (Qwen3 drops every earlier
+think block when a new user query arrives; DeepSeek V3 opens only the conversation's first tool
+output with a begin tag; a template may quote an early message).  The locality probe decides that,
+per template, render arguments, generation-prompt setting and message *kind* (role, reasoning,
+tool calls), on first use of each kind: representatives of the kind are appended at every split
+of probe conversations (tool turns, think blocks in both spellings, late system messages, empty
+contents, user turns wrapping tool responses, new queries after long tool chains), windowed and
+full, and again right after a marker; the kind is local when a windowed result (a window smaller than the
+history: a whole-history window is exact by construction and proves nothing) passed the checks
+at least once and was exact every time one did.  It is a check over those probes, not a
+proof: a template whose far-context dependence none of them exercises would be misjudged, which
+is why `Conversation(incremental=False)` exists.  Verdicts are kept in a small LRU keyed by the
+template source, its special tokens, the render arguments and the setting.
+
+>>> from toktier.chat import ChatTemplate
+>>> t = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+...                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+>>> r = lambda ms, gp: t.render(ms, add_generation_prompt=gp)
+>>> old, new = [{"role": "user", "content": str(i)} for i in range(9)], [{"role": "tool", "content": "x"}]
+>>> s = r(old, True)
+>>> got = append(r, old, new, s, None, True, True)
+>>> s[:got.start] + got.text == r(old + new, True), got.end == len(r(old + new, False))
+(True, True)
+>>> v = locality(t, {}, True)
+>>> v.allows(new), ("tool", False, False) in v.local
+(True, True)
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .chat import REASONING_FIELDS, ChatTemplate
+from .errors import ChatTemplateError, InvalidChatInput
+from .text_diff import match_forward
+
+#: Old messages rendered with the new ones (besides the head): at least WINDOW, fewer than
+#: WINDOW + STEP.  Deepseek renders a tool output differently after another tool output, so at
+#: least one; two keeps the boundary check strong.
+WINDOW = 2
+STEP = 2
+WIDER = 3  # windows tried per step: the usual one, then one and two messages wider
+
+Render = Callable[[list[dict], bool], str]  # (messages, add_generation_prompt) -> text
+Kind = tuple[str, bool, bool]  # (role, has reasoning, has tool calls)
+
+
+@dataclass(frozen=True)
+class Appended:
+    """A windowed append: the stored text from `start` on becomes `text`."""
+
+    start: int  # L: the stored text before it is kept
+    text: str  # replaces stored[start:]
+    end: int  # the new L (the new text's length without the generation prompt)
+    windowed: bool = True  # a step rendered less than the whole history (else every render was exact)
+
+
+def kind(message: Mapping[str, Any]) -> Kind:
+    """What the probe tells apart: the role, reasoning (a field, or a think block in the content)
+    and tool calls."""
+    content = message.get("content")
+    reasoning = any(message.get(k) for k in REASONING_FIELDS) or (isinstance(content, str) and "</think>" in content)
+    return str(message.get("role")), bool(reasoning), bool(message.get("tool_calls"))
+
+
+def window(old: Sequence[dict], wider: int = 0) -> tuple[list[dict], list[dict]]:
+    """(head, window) of `old` (see the module docstring); head is [] when the window is all of it.
+
+    The window's start c moves in steps of STEP, so consecutive appends share it and a render
+    of one op (the window plus its new message) is the next op's window render (`Memo`);
+    `wider` moves it that many messages back (a window must not start inside a group the
+    template renders as one, such as Qwen3's consecutive tool turns)."""
+    n = len(old)
+    c = n - WINDOW - (n - WINDOW) % STEP - wider
+    if c <= 1:
+        return [], list(old)
+    head = [old[0]]
+    last_user = None
+    for u in range(c - 1, 0, -1):
+        if old[u].get("role") != "user":
+            continue
+        if last_user is None:
+            last_user = u
+        if not _wraps_tool_response(old[u].get("content")):
+            if u != last_user:
+                head.append(old[u])
+            break
+    if last_user is not None:
+        head.append(old[last_user])
+    return head, [*head, *old[c:]]
+
+
+class Memo:
+    """The last few renders, keyed by the identity of the messages (stored messages are never
+    changed) and the generation-prompt flag.  One per conversation; not thread-safe."""
+
+    def __init__(self, size: int = 12) -> None:
+        self.size = size
+        self._entries: dict[tuple[tuple[int, ...], bool], tuple[list[dict], str]] = {}
+
+    def render(self, render: Render, messages: list[dict], gp: bool) -> str:
+        key = (tuple(map(id, messages)), gp)
+        hit = self._entries.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], messages)):
+            return hit[1]
+        text = render(messages, gp)
+        if len(self._entries) >= self.size:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (messages, text)
+        return text
+
+
+def _wraps_tool_response(content: Any) -> bool:
+    # The ChatML / Hermes convention of a user turn carrying tool output: such a turn is not the
+    # query templates look back for (Qwen3's last_query_index), so the window keeps the query too.
+    return isinstance(content, str) and content.startswith("<tool_response>") and content.endswith("</tool_response>")
+
+
+class _Stored:
+    """base[:start] + extra, read near its end without joining it (a long text plus a few appends)."""
+
+    __slots__ = ("base", "start", "extra")
+
+    def __init__(self, base: str, start: int, extra: str) -> None:
+        self.base, self.start, self.extra = base, start, extra
+
+    def __len__(self) -> int:
+        return self.start + len(self.extra)
+
+    def slice(self, a: int, b: int) -> str:
+        if a >= self.start:
+            return self.extra[a - self.start:b - self.start]
+        if b <= self.start:
+            return self.base[a:b]
+        return self.base[a:self.start] + self.extra[:b - self.start]
+
+    def endswith(self, s: str) -> bool:
+        n = len(self)
+        return len(s) <= n and self.slice(n - len(s), n) == s
+
+
+def append(render: Render, old: Sequence[dict], new: Sequence[dict], stored: str, L: int | None,
+           stored_gp: bool, gp: bool, cut: Callable[[str], int | None] | None = None,
+           memo: Memo | None = None) -> Appended | None:
+    """The windowed append of `new` to `old`, one message at a time (module docstring), or None
+    when a check fails.
+
+    `stored` is the text the caller holds for `old` (rendered with `stored_gp`), `L` its length
+    without the generation prompt if known; the result is rendered with `gp`.  `cut(text)`: where
+    the stored text starts inside a render of the window (right after a pinned run's marker), or
+    None; absent, the stored text is the whole render.  Each message is appended to the result of
+    the previous one (the checks run at every step), so a message is rendered through the window
+    only as the last one, as the locality probe tried it.
+    """
+    if not old or not new:
+        return None
+    if memo is not None:
+        plain = render
+        render = lambda messages, agp: memo.render(plain, messages, agp)  # noqa: E731
+    text = _Stored(stored, len(stored), "")
+    messages = list(old)
+    windowed = False
+    for i, message in enumerate(new):
+        # Only the last step renders the generation prompt (one render fewer per earlier message).
+        step_gp = gp if i == len(new) - 1 else False
+        step = _append_one(render, messages, message, text, L, stored_gp, step_gp, cut)
+        if step is None:
+            return None
+        L, partial = step
+        windowed = windowed or partial
+        stored_gp = step_gp
+        messages.append(message)
+    return Appended(min(text.start, len(stored)), text.slice(min(text.start, len(stored)), len(text)), L, windowed)
+
+
+def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored, L: int | None, stored_gp: bool,
+                gp: bool, cut: Callable[[str], int | None] | None) -> tuple[int, bool] | None:
+    """One windowed append; on success `stored` holds the new text, and (the new L, whether the
+    window was less than the whole history) is returned.
+
+    Renders are compared from an anchor on: the end of the head's text, or, when the window
+    reaches back over a pinned run's marker, the point right after the marker (what precedes it
+    belongs to earlier segments).  The new render may differ from the window's old text anywhere
+    after the anchor (Qwen3 closes a tool-response group only after its last tool turn, and
+    renders an empty think block before a *last* assistant turn only): the stored text is edited
+    from the first difference."""
+    try:
+        for wider in range(WIDER):  # the boundary disagrees: one message further back, twice at most
+            head, ctx = window(old, wider)
+            A = render(ctx, False)
+            H = render(head, False) if head else ""
+            if not A.startswith(H):
+                continue
+            own = A[len(H):]
+            if L is None:
+                G = ""
+                if stored_gp:
+                    Ag = render(ctx, True)
+                    if not Ag.startswith(A):
+                        return None
+                    G = Ag[len(A):]
+                if not stored.endswith(G):
+                    return None
+                L = len(stored) - len(G)
+            if not 0 <= L <= len(stored):
+                return None
+            crossing = cut is not None and (len(own) > L or not head)
+            if not crossing:
+                if len(own) > L or (not head and len(own) != L) or stored.slice(L - len(own), L) != own:
+                    continue
+                a: int | None = len(H)
+            else:  # compare what follows the run's marker
+                a = cut(A) if cut is not None else None
+                if a is None or len(A) - a != L or A[a:] != stored.slice(0, L):
+                    continue
+            break
+        else:
+            return None
+        base = L - (len(A) - a)  # where A[a:] starts in the stored text
+        B = render([*ctx, message], gp)
+        b = _anchor(B, H, crossing, cut)
+        if b is None:
+            return None
+        Ax, Bx = A[a:], B[b:]
+        end = base + len(Bx)
+        if gp:
+            C = render([*ctx, message], False)
+            c = _anchor(C, H, crossing, cut)
+            if c is None or not Bx.startswith(C[c:]):
+                return None
+            end = base + len(C) - c
+    except (ChatTemplateError, InvalidChatInput):
+        return None
+    # The new text: stored[:base + q] + Bx[q:] (kept as base[:start] + extra), q the shared length.
+    q = match_forward(Ax, 0, Bx, 0, min(len(Ax), len(Bx)))
+    at = base + q
+    if at >= stored.start:
+        stored.extra = stored.extra[:at - stored.start] + Bx[q:]
+    else:
+        stored.start, stored.extra = at, Bx[q:]
+    return end, bool(head)
+
+
+def _anchor(text: str, H: str, crossing: bool, cut: Callable[[str], int | None] | None) -> int | None:
+    """Where `text` (a render of the window plus the new message) is compared from."""
+    if not crossing:
+        return len(H) if text.startswith(H) else None
+    assert cut is not None
+    return cut(text)
+
+
+# --------------------------------------------------------------------------- the locality probe
+
+def _probes() -> tuple[list[tuple[list[dict], int]], list[dict]]:
+    """(probe conversations with the first split to try in each, the catalog of kinds)."""
+    def call(i: int) -> dict:
+        return {"id": f"c{i}", "type": "function", "function": {"name": "lookup", "arguments": {"q": f"q{i}"}}}
+
+    sys_ = {"role": "system", "content": "You are a careful assistant."}
+    u = [{"role": "user", "content": f"question {i}?"} for i in range(4)]
+    a_plain = [{"role": "assistant", "content": f"answer {i}."} for i in range(4)]
+    a_reason = [{"role": "assistant", "reasoning_content": f"thinking {i}", "content": f"reply {i}"} for i in range(4)]
+    a_think = [{"role": "assistant", "content": f"<think>\nhm {i}\n</think>\n\nsaid {i}"} for i in range(3)]
+    a_call = [{"role": "assistant", "content": "", "tool_calls": [call(i)]} for i in range(4)]
+    a_rcall = [{"role": "assistant", "reasoning_content": f"plan {i}", "content": "", "tool_calls": [call(i)]}
+               for i in range(3)]
+    tool = [{"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i}"} for i in range(4)]
+    wrapped = {"role": "user", "content": "<tool_response>\nwrapped\n</tool_response>"}
+    empty_u, empty_a = {"role": "user", "content": ""}, {"role": "assistant", "content": ""}
+    ipython = {"role": "ipython", "content": "{\"out\": 1}"}
+    whole = [
+        [sys_, u[0], a_rcall[0], tool[0], a_call[1], tool[1], a_reason[0], u[1], a_think[0], tool[2], a_plain[0],
+         u[2], a_reason[1]],
+        [u[0], a_reason[0], u[1], a_reason[1], tool[0], tool[1], a_rcall[1], tool[2], u[2], a_think[1], u[3]],
+        [sys_, u[0], a_think[0], wrapped, a_reason[2], tool[0], a_rcall[2], tool[1], a_reason[3], wrapped, a_plain[1]],
+        [u[0], a_plain[0], {"role": "system", "content": "A late rule."}, u[1], a_call[2], tool[3], a_plain[2],
+         empty_u, empty_a, u[2], a_think[2], u[3], a_plain[3]],
+        [sys_, u[0], a_call[3], ipython, a_plain[1], u[1], a_reason[1], ipython, u[2], a_plain[2], tool[1]],
+        [u[0], a_reason[0], tool[0], tool[1], tool[2], a_reason[1], tool[3], a_call[0], tool[0], a_plain[0]],
+        # The last user message wraps a tool response (Qwen3 then looks further back for the query).
+        [sys_, u[1], a_call[0], wrapped, tool[0], tool[1], a_reason[0], tool[2], a_rcall[0], tool[3], a_think[1],
+         tool[0], a_plain[0]],
+        # New queries after long tool chains (Qwen3 drops the think blocks since the previous query).
+        [sys_, u[0], a_reason[0], tool[0], tool[1], tool[2], u[1], a_rcall[0], tool[3], tool[0], tool[1], u[2],
+         a_think[0], tool[2], a_call[1], tool[3], u[3], a_plain[0], tool[0], tool[1], u[0]],
+        [u[0], a_think[1], tool[0], tool[1], a_plain[1], tool[2], {"role": "system", "content": "Late."}, tool[3],
+         u[1], a_rcall[1], tool[0], tool[1], tool[2], tool[3], u[2]],
+    ]
+    # One of each kind, appended at every split of every conversation above.
+    catalog = [u[3], a_plain[3], a_reason[3], a_think[2], a_call[3], a_rcall[2], tool[3], wrapped, empty_u, empty_a,
+               {"role": "system", "content": "Later rule."}, ipython]
+    # And systematically: every ordered pair of kinds ending a conversation (state that the last
+    # two messages leave for the next one, e.g. DeepSeek V3 closing tool outputs at the end).
+    pairs = [u[2], a_plain[2], a_reason[2], a_call[2], tool[2], {"role": "system", "content": ""}, empty_a, ipython]
+    conversations = [(c, 2) for c in whole]
+    for prefix in ([sys_, u[0], a_call[0], tool[0], tool[1]], [u[0], a_reason[0], tool[0], u[1], a_plain[0]]):
+        for x in pairs:
+            conversations.extend(([*prefix, x, y], len(prefix) + 2) for y in pairs)  # only the final split
+    return conversations, catalog
+
+
+class Locality:
+    """The probe's verdicts for one template, render arguments and generation-prompt setting,
+    filled in per message kind on first use (thread-safe)."""
+
+    def __init__(self, template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> None:
+        self.template, self.render_kwargs, self.gp = template, dict(render_kwargs), gp
+        self._verdicts: dict[Kind, bool] = {}
+        self._lock = threading.Lock()
+        self.probes = 0  # windowed appends tried so far
+
+    @property
+    def local(self) -> frozenset[Kind]:
+        return frozenset(k for k, ok in self._verdicts.items() if ok)
+
+    @property
+    def nonlocal_(self) -> frozenset[Kind]:
+        return frozenset(k for k, ok in self._verdicts.items() if not ok)
+
+    def allows(self, messages: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether every message's kind appends exactly through the window (probing new kinds)."""
+        return all(self.verdict(kind(m)) for m in messages)
+
+    def verdict(self, k: Kind) -> bool:
+        ok = self._verdicts.get(k)
+        if ok is None:
+            with self._lock:
+                ok = self._verdicts.get(k)
+                if ok is None:
+                    ok = self._verdicts[k] = self._probe(k)
+        return ok
+
+    def probe_all(self) -> "Locality":
+        for k in {kind(m) for m in _probes()[1]}:
+            self.verdict(k)
+        return self
+
+    def _probe(self, k: Kind) -> bool:
+        """Every representative of kind `k` appended at every split of every probe conversation:
+        True when it passed the checks at least once and was exact every time it did."""
+        def plain(messages: list[dict], agp: bool) -> str:
+            return self.template.render_prepared(messages, add_generation_prompt=agp, **self.render_kwargs)
+
+        memo = Memo(512)  # windows repeat across splits, representatives and both L variants
+
+        def render(messages: list[dict], agp: bool) -> str:
+            return memo.render(plain, messages, agp)
+
+        conversations, catalog = _probes()
+        representatives = [m for m in catalog if kind(m) == k]
+        gp, seen = self.gp, False
+        for probe, first in conversations:
+            # Windows smaller than the history only: a window that is all of it renders exactly.
+            for j in range(first, len(probe) + 1):
+                old = probe[:j]
+                if not window(old)[0]:
+                    continue
+                try:
+                    stored = render(old, gp)
+                    known = len(render(old, False)) if gp else len(stored)
+                except (ChatTemplateError, InvalidChatInput):
+                    continue
+                for message in representatives:
+                    try:
+                        full = render([*old, message], gp)
+                        full_end = len(render([*old, message], False)) if gp else len(full)
+                    except (ChatTemplateError, InvalidChatInput):
+                        continue
+                    for L in (None, known):
+                        got = append(render, old, [message], stored, L, gp, gp)
+                        if got is None or not got.windowed:  # a whole-history window proves nothing
+                            continue
+                        self.probes += 1
+                        seen = True
+                        if stored[:got.start] + got.text != full or got.end != full_end:
+                            return False
+                    if kind(old[-1]) == ("assistant", False, False) and not self._after_marker(render, old, message):
+                        return False
+        return seen
+
+    def _after_marker(self, render: Render, old: list[dict], message: dict) -> bool:
+        """The same append after a pinned run: the last old message is a marker, the stored text
+        what follows it; exact after the marker whenever the checks pass (True when they fail)."""
+        mark = "TOKTIERPROBEMARKX"
+        old = [*old[:-1], {"role": "assistant", "content": mark}]
+
+        def cut(text: str) -> int | None:
+            at = text.find(mark)
+            return at + len(mark) if at >= 0 and text.find(mark, at + 1) < 0 else None
+        try:
+            rendered, full = render(old, self.gp), render([*old, message], self.gp)
+            full_end = len(render([*old, message], False)) if self.gp else len(full)
+        except (ChatTemplateError, InvalidChatInput):
+            return True
+        at, at_full = cut(rendered), cut(full)
+        if at is None or at_full is None:
+            return True
+        stored = rendered[at:]
+        got = append(render, old, [message], stored, None, self.gp, self.gp, cut)
+        if got is None or not got.windowed:
+            return True
+        self.probes += 1
+        return stored[:got.start] + got.text == full[at_full:] and got.end == full_end - at_full
+
+
+_CACHE: collections.OrderedDict[str, Locality] = collections.OrderedDict()
+_CACHE_SIZE = 64
+_LOCK = threading.Lock()
+
+
+def locality(template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
+    """The (shared, lazily probed) `Locality` of `template` with `render_kwargs` and generation
+    prompt `gp`: kept in a small LRU keyed by what the verdicts are a function of."""
+    key = hashlib.sha256(json.dumps([template.source, dict(template.special_tokens), gp, WINDOW,
+                                     dict(render_kwargs)], sort_keys=True, default=repr).encode()).hexdigest()
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is None:
+            hit = _CACHE[key] = Locality(template, render_kwargs, gp)
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+        else:
+            _CACHE.move_to_end(key)
+        return hit
+
+
+def probe_locality(template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
+    """`locality(...)` with every kind of the probe catalog decided."""
+    return locality(template, render_kwargs, gp).probe_all()
