@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import uvloop
 
@@ -145,3 +146,15 @@ def wait_until(cond, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def backing(arr: np.ndarray):
+    """The object at the bottom of a numpy view chain (a zero-copy result's is the mapped segment)."""
+    base = arr
+    while True:
+        if isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        elif isinstance(base, memoryview):
+            base = base.obj
+        else:
+            return base

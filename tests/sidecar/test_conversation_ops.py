@@ -31,7 +31,7 @@ from toktier_client import errors as E
 from toktier_client import protocol as P
 from toktier_client._conversation import pack_ids
 from sidecar_harness import registry, start_sidecar  # noqa: F401  (fixtures)
-from sidecar_harness import shm_names, wait_until
+from sidecar_harness import backing, shm_names, wait_until
 from sidecar_raw import Raw
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression",
@@ -48,17 +48,6 @@ def toks(registry) -> dict[str, toktier.FrozenTokenizer]:
 @pytest.fixture
 def sc(start_sidecar, toks):
     return start_sidecar(tokenizers=("llama3", "qwen3"))
-
-
-def backing(arr: np.ndarray):
-    base = arr
-    while True:
-        if isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        elif isinstance(base, memoryview):
-            base = base.obj
-        else:
-            return base
 
 
 def reference(tok: toktier.FrozenTokenizer, template: chat.ChatTemplate, messages: list[dict],

@@ -28,7 +28,7 @@ from toktier_client import protocol as P
 from toktier_sidecar import ServerConfig
 from toktier_sidecar.cli import build_parser, load_config
 from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)
-from sidecar_harness import shm_names
+from sidecar_harness import backing, shm_names
 
 CACHE_FIELDS = {f.name for f in fields(ServerConfig) if f.name.startswith("tokenizer_cache_")}
 
@@ -65,18 +65,6 @@ def branching_workload() -> list[tuple[str, str]]:
         (SYSTEM + user("naïve café, 東京タワー 🙂👩‍💻"), "l1"),
         (b2, "l0"),
     ]
-
-
-def backing(arr: np.ndarray):
-    """The object at the bottom of a numpy view chain."""
-    base = arr
-    while True:
-        if isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        elif isinstance(base, memoryview):
-            base = base.obj
-        else:
-            return base
 
 
 def check(r, tok, text: str) -> None:

@@ -23,19 +23,7 @@ from toktier_client import AsyncClient, Client, InvalidEditRange, SessionConflic
 from toktier_client import protocol as P
 from toktier_client.shm import Mapping
 from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)
-from sidecar_harness import shm_names
-
-
-def backing(arr: np.ndarray):
-    """The object at the bottom of a numpy view chain."""
-    base = arr
-    while True:
-        if isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        elif isinstance(base, memoryview):
-            base = base.obj
-        else:
-            return base
+from sidecar_harness import backing, shm_names
 
 
 def assert_zero_copy(r) -> None:
