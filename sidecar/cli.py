@@ -5,7 +5,8 @@
 With no ``--tokenizer`` it serves the bundled default (llama3).  A TOML config
 file may set any :class:`toktier_sidecar.config.ServerConfig` field by name; flags given
 on the command line win.  Under systemd it accepts a socket-activated listener
-(``LISTEN_FDS``) and reports readiness (``Type=notify``); SIGTERM drains
+(``LISTEN_FDS``) and reports readiness (``Type=notify``) once it serves, without waiting for
+``--state-dir``'s restore at start (see :mod:`toktier_sidecar.server`); SIGTERM drains
 in-flight requests, unlinks every shared-memory segment and exits 0.
 """
 
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", dest="state_dir",
                    help="keep every session's state in this private directory (created 0700) so that a restart "
                         "resumes sessions by repair, not by re-encoding (default: off)")
+    _switch(p, "state-preload", "state_preload",
+            "restore --state-dir's sessions at start, in the background, most recent first, within --memory-budget "
+            "(default: on; serving starts at once, a session not restored yet is restored by its first op)",
+            "restore each session only when its first op comes")
     p.add_argument("--state-store", dest="state_store", metavar="URL",
                    help="share session state with other nodes through a Valkey/Redis server: redis://HOST[:PORT][/DB], "
                         "rediss://, valkey://, valkeys:// or unix:///PATH/TO/SOCKET[?db=N] (needs toktier[redis]; "

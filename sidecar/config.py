@@ -108,9 +108,14 @@ class ServerConfig:
     #: token state is bounded by ``memory_budget`` + this per cache.
     tokenizer_cache_l1_max_memory: int = 256 * 1024 * 1024
     #: Directory where sessions outlive the process (``toktier_sidecar.statedir``); None: off.
-    #: Each session's record (text, IDs, certificate, checksummed) is written behind its ops
-    #: and restored by the first op after a restart; created 0700, refused unless private.
+    #: Each session's record (text, IDs, checksummed) is written behind its ops and restored
+    #: after a restart (see ``state_preload``); created 0700, refused unless private.
     state_dir: str | None = None
+    #: Restore ``state_dir``'s records at start, in the background, most recently written first
+    #: and within ``memory_budget``, so that the first op on a restored session is a warm
+    #: repair.  Serving (and systemd readiness) does not wait for it: a session it has not
+    #: reached yet is restored by its first op, as with this off (restore on demand only).
+    state_preload: bool = True
     #: Seconds a changed session waits before its record is written: a burst of ops writes
     #: once (each write is O(session): text + 4 bytes/token); what a SIGKILL can lose, which
     #: the next op then answers as a miss (never with older IDs).

@@ -13,6 +13,9 @@ labels and meaning, in the README's "Metrics" section.
 * The tokenizer caches' counters and bytes (``toktier_tokenizer_cache_*``) are read at scrape
   time from each :class:`toktier.PrefixCache`'s own ``stats()``, summed per tokenizer name (over
   namespaces and specials variants), so they cannot drift from the caches either.
+* Restore at start (``toktier_state_preload_*``): the counter is recorded by the server as
+  records are restored, claimed or released; the gauges (pending, held, seconds) are read at
+  scrape time from the server's :class:`~toktier_sidecar.statedir.Preload` (``watch_preload``).
 * The ``tokenizer`` label is a loaded tokenizer's name (bounded by what the
   sidecar serves; a name a client asks for that is not loaded is never a label).
 """
@@ -45,6 +48,27 @@ MAX_REASONS = 32
 
 #: The only path the HTTP exporter answers.
 METRICS_PATH = "/metrics"
+
+
+_NO_PRELOAD = {"pending": 0, "held": 0, "held_bytes": 0, "seconds": 0.0}
+
+
+class _PreloadCollector:
+    """Restore at start, read at scrape time (``Preload.snapshot()``; zeros without one)."""
+
+    def __init__(self) -> None:
+        self._snapshot: Callable[[], dict] = lambda: _NO_PRELOAD
+
+    def collect(self):
+        s = self._snapshot()
+        yield GaugeMetricFamily("toktier_state_preload_pending", "Session records (--state-dir) the restore at "
+                                "start has still to consider (0 once it is done)", value=s["pending"])
+        yield GaugeMetricFamily("toktier_state_preload_held", "Sessions restored at start and held until their "
+                                "first op (not yet open)", value=s["held"])
+        yield GaugeMetricFamily("toktier_state_preload_held_bytes", "Bytes those held sessions take, counted "
+                                "against --memory-budget with the open sessions'", value=s["held_bytes"])
+        yield GaugeMetricFamily("toktier_state_preload_seconds", "Seconds the restore at start took (so far, "
+                                "while it runs)", value=s["seconds"])
 
 
 class _StateCollector:
@@ -190,6 +214,13 @@ class Metrics:
         self.state_store_ops = Counter("toktier_state_store_ops", "Calls to the shared state store (--state-store), "
                                        "by op (get, set, delete, ping) and result (ok, miss, too_large, error, "
                                        "skipped: not tried during the backoff after an error)", ["op", "result"], **r)
+        self.state_preload = Counter("toktier_state_preload_sessions", "Restore at start (--state-dir), by "
+                                     "result: restored (read, verified and held), claimed (a held session's first "
+                                     "op opened it: a warm repair), released (a held session dropped for open "
+                                     "sessions' memory, its TTL or a Close; its record stays), skipped_budget (not "
+                                     "restored: over --memory-budget or --max-sessions), raced (its first op came "
+                                     "first: restored on demand); failed records count in toktier_state_restore",
+                                     ["result"], **r)
         self.cache_restores = Counter("toktier_tokenizer_cache_restored_entries", "Tokenizer cache (L1) entries "
                                       "read from --state-dir at start, by result: ok, or not adopted (corrupt, "
                                       "foreign, invalid, error)", ["result"], **r)
@@ -202,6 +233,8 @@ class Metrics:
         self.registry.register(_StateCollector(snapshot))
         self.registry.register(_InfoCollector(self._tokenizers, verify_rate))
         self.registry.register(_CacheCollector(cache_stats))
+        self._preload = _PreloadCollector()
+        self.registry.register(self._preload)
         if process:
             ProcessCollector(registry=self.registry)
         self._children: dict[tuple, tuple] = {}
@@ -211,6 +244,10 @@ class Metrics:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
+
+    def watch_preload(self, snapshot: Callable[[], dict]) -> None:
+        """Export the restore at start's gauges (``snapshot``: :meth:`Preload.snapshot`)."""
+        self._preload._snapshot = snapshot
 
     # -------------------------------------------------------------- recording
     def tokenizer_label(self, name_or_hash: str) -> str:

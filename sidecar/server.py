@@ -34,6 +34,21 @@ moves bytes and decides where work runs, the same way for every request
   is counted (and removed when it can never serve), and the op misses as without state.  With
   ``--state-dir`` the tokenizer caches' L1 entries are read back at start, before serving
   (``_restore_caches``), and written behind every ``state_cache_flush_interval`` seconds.
+* Restore at start (``--state-dir``, ``state_preload``, on by default; ``_preload_records``):
+  once serving, a background task restores the directory's records, most recently written
+  first, one at a time on a thread of its own (read, checksum, tiling: no encode), each only if
+  it fits the memory budget next to the open sessions, and pausing (up to ``PRELOAD_YIELD_S``)
+  while requests are in flight.  A restored session is *held* (:class:`~toktier_sidecar.statedir.Preload`)
+  until its first op, which opens it without I/O (a warm repair, answered inline when small) after
+  the same checks an on-demand restore makes (stale ``seq``, ``create_only``, Close).  An op that
+  comes before the preload reaches its record restores it on demand, and an op whose record the
+  preload is reading waits for that read: the record's index entry is the token, taken once.
+  Readiness (systemd ``READY=1``) does not wait for the preload: with socket activation clients
+  reach the socket before readiness anyway, a session not restored yet is served (restored on
+  demand), and a preload of a full budget (seconds) must not run into ``TimeoutStartSec=``; the
+  preload reports its progress in ``STATUS=`` and the log instead.  Only the directory is
+  preloaded: a shared store holds every node's sessions, and which of them will come here is
+  the router's choice (they are restored on demand).
 
 Run it with ``uvloop.run(Sidecar(config).run())`` (see :mod:`toktier_sidecar.cli`).
 """
@@ -52,6 +67,7 @@ from typing import Any, Awaitable, Coroutine, Hashable, cast
 
 import toktier
 from toktier.persist import ForeignRecord, decode_record
+from toktier.session import PRIME_HEADROOM
 from toktier_client import protocol as P
 
 from . import conversations  # noqa: F401  (registers the conversation ops' handlers in HANDLERS)
@@ -62,16 +78,27 @@ from .errors import ShuttingDown, code_for, error_frame
 from .lanes import Lanes
 from .listen import BACKLOG, bind_unix_socket, peer_credentials, runtime_dir_for
 from .metrics import Metrics
-from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, SessionKey, SessionService
+from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, SessionKey, SessionService, session_overhead
 from .shadow import Shadow, ShadowConfig
 from .shm import ArenaPool, InstanceLock, Segment, sweep_stale
-from .statedir import BUSY, Backend, CacheFiles, Snapshot, StateDir, WriteBehind, check_record, restore_result
+from .statedir import (
+    BUSY, Backend, CacheFiles, Held, Preload, Snapshot, StaleRecord, StateDir, WriteBehind, check_record,
+    record_name, restore_result,
+)
 from .statestore import StateStore, StoreUnavailable, parse_store_url
 
 log = logging.getLogger(__name__)
 
 #: How long a refused or misbehaving peer may keep its half-closed connection.
 LINGER_S = 2.0
+#: Most seconds the restore at start waits, before each record, for requests in flight to
+#: finish: it yields to clients, yet still makes progress under a steady load.
+PRELOAD_YIELD_S = 0.05
+#: What a restored session holds besides its record's bytes (``Session._prime``'s room for the
+#: next op: ids and checkpoints for PRIME_HEADROOM tokens, 8x as many text bytes; the slot).
+PRELOAD_EXTRA_BYTES = 4 * PRIME_HEADROOM + 8 * PRIME_HEADROOM + 4096
+#: ``toktier_state_preload_sessions_total`` results, exported at 0 from the start.
+PRELOAD_RESULTS = ("restored", "claimed", "released", "skipped_budget", "raced")
 
 
 class _Peer(asyncio.Protocol):
@@ -229,6 +256,14 @@ class Sidecar:
             self.state = WriteBehind(backends, flush_delay=config.state_flush_delay)
             self.state.snapshot = self._state_snapshot
             self.service.state = self.state
+        self.preload: Preload | None = None
+        if self.state_dir is not None and config.state_preload:
+            counter = self.metrics.state_preload
+            for result in PRELOAD_RESULTS:
+                counter.labels(result)
+            self.preload = Preload(release=_release_slot, count=lambda result, n: counter.labels(result).inc(n))
+            self.metrics.watch_preload(self.preload.snapshot)
+            self.service.on_resized = self._trim_held
         self.install_signals = install_signals
         self.lanes = Lanes()
         self.peers: dict[int, _Peer] = {}
@@ -239,6 +274,7 @@ class Sidecar:
         self._bulk: ThreadPoolExecutor | None = None  # whole-context work
         self._repair: ThreadPoolExecutor | None = None  # changes to existing sessions
         self._loader: ThreadPoolExecutor | None = None  # tokenizer loads: never hold a bulk worker
+        self._preloader: ThreadPoolExecutor | None = None  # restore at start: one record at a time
         self._pools: dict[Pool, ThreadPoolExecutor] = {}
         self._server: asyncio.AbstractServer | None = None
         self._owns_socket_file = False
@@ -270,6 +306,8 @@ class Sidecar:
         self._bulk = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-bulk")
         self._repair = ThreadPoolExecutor(cfg.workers, thread_name_prefix="toktier-repair")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="toktier-load")
+        if self.preload is not None:
+            self._preloader = ThreadPoolExecutor(1, thread_name_prefix="toktier-preload")
         self._pools = {"bulk": self._bulk, "repair": self._repair}
         await loop.run_in_executor(self._loader, self.service.preload)
         if self.state is not None:
@@ -310,6 +348,11 @@ class Sidecar:
         sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket_path}")
         log.info("serving on %s (default tokenizer %s)", cfg.socket_path, self.service.default_tokenizer)
         self._ready.set()
+        if self.preload is not None:  # after readiness: serving does not wait for it (module docstring)
+            if self.state_dir is not None and self.state_dir.index:
+                self._spawn(self._preload_records())
+            else:
+                self.preload.finish()
 
     async def shutdown(self) -> None:
         """Graceful stop: refuse new work, let in-flight requests finish, unlink everything."""
@@ -330,7 +373,7 @@ class Sidecar:
                 peer.transport.close()
             for task in list(self._background):
                 task.cancel()
-            for pool in (self._bulk, self._repair, self._loader):
+            for pool in (self._bulk, self._repair, self._loader, self._preloader):
                 if pool is not None:
                     pool.shutdown(wait=True, cancel_futures=True)
             if self.verifier is not None:
@@ -345,6 +388,8 @@ class Sidecar:
                     self.state.close()
                 except Exception:
                     log.exception("writing session records at shutdown failed")
+            if self.preload is not None:  # not open: nothing to write, their records stay as they are
+                self.preload.release_all()
             self.service.shutdown()
             if self._instance_lock is not None:  # after the segments are gone: nothing left to sweep
                 self._instance_lock.release()
@@ -405,6 +450,8 @@ class Sidecar:
             if self.state is not None and self.state_dir is not None:
                 old = self.state_dir.expired()
                 for name in old:
+                    if self.preload is not None:
+                        self.preload.drop(name)
                     self.state.submit(self.state_dir.remove, name)
                 if old:
                     log.info("removed %d session records not restored within the TTL", len(old))
@@ -448,8 +495,8 @@ class Sidecar:
         suspend, so it can run on the loop now."""
         if handler.pool is not None and handler.work_chars(self.service, key, req) > self.config.inline_chars:
             return False
-        if key is not None and self._restorable(key, req):
-            return False  # the record is read and certified in a worker first
+        if key is not None and self._restorable(key, req) and not self._held_ready(key, req):
+            return False  # the record is read and verified in a worker first
         spec = handler.tokenizer(req)
         if spec is None:
             return True
@@ -525,25 +572,184 @@ class Sidecar:
         return self.state_dir is not None and bool(self.state_dir.index) and self.state_dir.indexed(key)
 
     async def _restore(self, key: SessionKey, req: P.Request) -> None:
-        """In the session's lane, before its first op here: read, check and certify its record in
-        a worker (no encode) and open the session from it; the state dir's first, then the
-        store's.  A record that fails any check is counted and treated as absent (removed when
-        it can never serve: corrupt, invalid, and the dir's record whatever failed); the op then
-        misses as it would without state.  A Close forgets the record itself; a recovery
-        re-create (``create_only``) replaces it."""
+        """In the session's lane, before its first op here: open the session from its record.
+        A session restored at start (held) is opened at once; else the record is read, checked
+        and verified in a worker (no encode): the state dir's first, then the store's.  A record
+        that fails any check is counted and treated as absent (removed when it can never serve:
+        corrupt, invalid, and the dir's record whatever failed); the op then misses as it would
+        without state.  A Close forgets the record itself; a recovery re-create (``create_only``)
+        replaces it.  Suspends only to read (or to wait for the preload's read of this record)."""
+        pre = self.preload
+        name = record_name(key.namespace, key.session) if pre is not None and self.state_dir is not None else ""
+        if name:
+            done = pre.inflight.get(name)
+            if done is not None:  # the preload is reading this very record: one read, not two
+                await asyncio.shield(done)
         if isinstance(req, P.Close):
+            if name:
+                pre.drop(name)
             return
         create_only = isinstance(req, P.Open) and req.create_only
         expect = getattr(req, "expect_seq", -1)
         sd, ss = self.state_dir, self.state_store
         if sd is not None and sd.claim(key):
+            held = pre.take(name) if name else None
             if create_only:
+                if held is not None:
+                    _release_slot(held.slot)
                 self.state.submit(sd.delete, key)
                 return
-            if await self._restore_from(sd, key, expect):
-                return
+            if held is not None:
+                if self._open_held(key, held, expect):
+                    return
+            else:
+                if name and name in pre.unreached:  # its first op came before the preload reached it
+                    pre.reached(name)
+                    pre.count("raced")
+                if await self._restore_from(sd, key, expect):
+                    return
         if ss is not None and not create_only:
             await self._restore_from(ss, key, expect)
+
+    def _held_ready(self, key: SessionKey, req: P.Request) -> bool:
+        """Whether ``_restore`` would not suspend: the session was restored at start, and its
+        first op will not fall through to the store (a stale record with a store configured)."""
+        pre = self.preload
+        if pre is None or not pre.held:
+            return False
+        held = pre.held.get(record_name(key.namespace, key.session))
+        if held is None:
+            return False
+        return self.state_store is None or getattr(req, "expect_seq", -1) <= held.seq
+
+    def _open_held(self, key: SessionKey, held: Held, expect: int) -> bool:
+        """Open a session restored at start for its first op, after the check an on-demand
+        restore makes (``run_restore``: a record behind the client's ``seq`` is stale, a miss);
+        True when the session is open now."""
+        if expect > held.seq:
+            self.metrics.state_restores.labels("stale").inc()
+            log.warning("session record of %r in dir not used (stale): %s", key.session[:64],
+                        StaleRecord(f"record is at seq {held.seq}, the client at {expect}"))
+            _release_slot(held.slot)
+            self.state.submit(self.state_dir.delete, key)
+            return False
+        if self.service.store.peek(key) is not None:  # cannot happen in its lane; never replace a live session
+            _release_slot(held.slot)
+            return True
+        self.service.add(key, held.slot)
+        self.metrics.state_restores.labels("ok").inc()
+        self.preload.count("claimed")
+        return True
+
+    def _trim_held(self) -> None:
+        """Loop thread, after the open sessions grew: held sessions give the room back (they come
+        after every open session in the memory budget)."""
+        pre = self.preload
+        if pre is None or not pre.held:
+            return
+        st = self.service.store.stats()
+        n = pre.trim(self.config.memory_budget - st.bytes_held, self.config.max_sessions - st.live)
+        if n:
+            log.info("released %d sessions restored at start for open sessions' memory (their records stay; "
+                     "restored on demand)", n)
+
+    async def _yield_to_clients(self) -> None:
+        """Let requests in flight finish first (up to ``PRELOAD_YIELD_S``)."""
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PRELOAD_YIELD_S
+        while self._busy and not self.stopping:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), left)
+
+    async def _preload_records(self) -> None:
+        """Restore at start (see the module docstring): the state dir's records, most recently
+        written first, within the memory budget, each read and verified on the preload thread
+        and held until its session's first op."""
+        pre, sd = self.preload, self.state_dir
+        assert pre is not None and sd is not None
+        loop = asyncio.get_running_loop()
+        order = sorted(sd.index.items(), key=lambda kv: kv[1].mtime, reverse=True)
+        pre.begin(name for name, _ in order)
+        total_mb = sum(e.size for _, e in order) / 1e6
+        log.info("restoring %d session records (%.1f MB) in the background, most recent first", len(order), total_mb)
+        sdnotify.notify(f"STATUS=serving on {self.config.socket_path}; restoring {len(order)} sessions")
+        failed: dict[str, int] = {}
+        held = skipped = 0
+        try:
+            for name, entry in order:
+                if self.stopping:
+                    break
+                if name not in pre.unreached or sd.index.get(name) is not entry:
+                    continue  # claimed by its first op, forgotten by a Close, or expired
+                st = self.service.store.stats()
+                room = self.config.memory_budget - st.bytes_held - pre.bytes
+                if entry.size + PRELOAD_EXTRA_BYTES > room or st.live + len(pre.held) >= self.config.max_sessions:
+                    pre.reached(name)
+                    pre.count("skipped_budget")
+                    skipped += 1
+                    continue  # a smaller, older one may still fit
+                await self._yield_to_clients()
+                if self.stopping or name not in pre.unreached or sd.index.get(name) is not entry:
+                    continue
+                pre.reached(name)
+                done = loop.create_future()
+                pre.inflight[name] = done
+                try:
+                    got = await loop.run_in_executor(self._preloader, self._preload_one, name)
+                except Exception as exc:
+                    result = restore_result(exc)
+                    failed[result] = failed.get(result, 0) + 1
+                    self.metrics.state_restores.labels(result).inc()
+                    if sd.index.get(name) is entry:  # no op claimed it meanwhile: remove it as an op would
+                        del sd.index[name]
+                        self.state.submit(sd.remove, name)
+                    if result == "error":
+                        log.error("restoring session record %s at start failed", name, exc_info=exc)
+                    else:
+                        log.warning("session record %s not used (%s): %s", name, result, exc)
+                    continue
+                finally:
+                    del pre.inflight[name]
+                    done.set_result(None)
+                if got is None:  # gone, or of a tokenizer not loaded: left to its first op
+                    continue
+                key, slot = got
+                if self.stopping or sd.index.get(name) is not entry:
+                    _release_slot(slot)
+                    continue
+                pre.hold(name, Held(slot, slot.seq, slot.session.nbytes + session_overhead(key), entry.mtime))
+                held += 1
+                self._trim_held()
+        finally:
+            pre.finish()
+            log.info("restored %d sessions at start in %.2f s (%d left to restore on demand: over the memory budget;"
+                     " %s)", held, pre.seconds, skipped,
+                     ", ".join(f"{k} {v}" for k, v in sorted(failed.items())) or "no bad records")
+            if not self.stopping:
+                sdnotify.notify(f"STATUS=serving on {self.config.socket_path}; {held} sessions restored at start")
+
+    def _preload_one(self, name: str) -> tuple[SessionKey, Any] | None:
+        """Preload thread: the session key and slot of record ``name``, checked as an op's restore checks it (the
+        record must name the session its file is named for); None when the file is gone or its
+        tokenizer is not loaded yet but may be (its first op decides: loads cost seconds)."""
+        if self.stopping:
+            return None
+        data = self.state_dir.read(name)
+        if data is None:
+            return None
+        rec = decode_record(data)
+        if record_name(rec.namespace, rec.session) != name:
+            raise ForeignRecord("record belongs to another session (renamed file, copied key or hash collision)")
+        try:
+            self.service.registry.get(rec.tokenizer_hash)
+        except toktier.UnknownTokenizer:  # never served: foreign (raises); loadable: its first op may load it
+            if self.service.find_tokenizer(rec.tokenizer_name, cast(P.Specials, rec.specials)) is None:
+                return None
+        return SessionKey(rec.namespace, rec.session), self.service.run_restore(rec, -1)
 
     async def _restore_from(self, backend: Backend, key: SessionKey, expect: int) -> bool:
         """Restore ``key`` from ``backend``; True when the session is open now."""
@@ -702,6 +908,11 @@ class Sidecar:
         handoffs, peer.handoffs = peer.handoffs, {}
         for seg in handoffs.values():
             seg.unlink()
+
+
+def _release_slot(slot: Any) -> None:
+    """Free a restored session that never opened (its arena; no client was told of its segment)."""
+    slot.arena.release()
 
 
 def _run_now(coro: Coroutine[Any, Any, None]) -> None:

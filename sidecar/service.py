@@ -24,8 +24,9 @@ run in the bulk pool like any other big request.  Namespaced as sessions are: a 
 With ``--state-dir`` or ``--state-store`` the service tells the server's
 :class:`~toktier_sidecar.statedir.WriteBehind` of every change and end (``changed``/``_ended``;
 records are written behind), copies a session's state for it (``state_snapshot``), and opens a
-session from a restored record (``run_restore``: ``Session.from_state`` under the record's
-certificate, no encode); the server decides when.
+session from a restored record (``run_restore``: :func:`toktier.persist.restore_session`, no
+encode); the server decides when (at start, or at the session's first op), and is told when the
+open sessions' bytes grow (``on_resized``: sessions restored at start and not open yet give way).
 
 Adding an op is one Struct in ``toktier_client.protocol`` and one handler here
 (``@handles(P.Ping) class PingHandler``), plus one client method.  The conversation ops'
@@ -297,6 +298,9 @@ class SessionService:
         self.configured: set[str] = set()  # names preloaded from the config: their variants may load
         # Set by the server with --state-dir/--state-store: told of every change and end (write-behind records).
         self.state: WriteBehind | None = None
+        # Set by the server with a restore at start: called (loop thread) after the open sessions'
+        # bytes grew, so that sessions restored at start and not open yet give the room back.
+        self.on_resized: Callable[[], None] = lambda: None
         # The conversation ops' state (templates, counts): defined with their handlers.
         from .conversations import Conversations
 
@@ -469,8 +473,9 @@ class SessionService:
 
     def add(self, key: SessionKey, slot: Slot) -> None:
         """Loop thread: register a created session (may evict others)."""
-        slot.overhead = SESSION_OVERHEAD_BYTES + 2 * len(key.session.encode("utf-8", "surrogatepass"))
+        slot.overhead = session_overhead(key)
         self.store.add(key, slot, slot.session.nbytes + slot.overhead)
+        self.on_resized()
 
     # ------------------------------------------------------ state that outlives the process
     def changed(self, key: SessionKey) -> None:
@@ -494,8 +499,8 @@ class SessionService:
                         slot.last_op_key)
 
     def run_restore(self, rec: SessionRecord, expect_seq: int) -> Slot:
-        """Any thread: a slot over a record's state, certified without an encode (``from_state``:
-        O(N) check).  Raises StaleRecord when the caller has seen a later ``seq`` (the record
+        """Any thread: a slot over a record's state, verified without an encode
+        (:func:`toktier.persist.restore_session`: O(N) checks).  Raises StaleRecord when the caller has seen a later ``seq`` (the record
         missed ops a crash lost: a miss, so the caller re-sends its text; an earlier ``seq`` is
         the op's conflict to raise, as without a restart), ForeignRecord / UnknownTokenizer /
         InvalidState when unusable."""
@@ -538,6 +543,7 @@ class SessionService:
         if self.store.peek(key) is slot:
             self.store.unpin(key)
             self.store.resize(key, slot.session.nbytes + slot.overhead)
+            self.on_resized()
 
     def close(self, key: Hashable) -> bool:
         return self.store.close(key)
@@ -654,6 +660,11 @@ class SessionService:
             self.state.ended(cast(SessionKey, key), closed=cause is EndCause.CLOSED)
         if cause is not EndCause.CLOSED:
             log.debug("session %r ended: %s", key, cause.value)
+
+
+def session_overhead(key: SessionKey) -> int:
+    """What ``key``'s session costs the memory budget besides its own bytes (``SESSION_OVERHEAD_BYTES``)."""
+    return SESSION_OVERHEAD_BYTES + 2 * len(key.session.encode("utf-8", "surrogatepass"))
 
 
 def ids_reply(rid: int, out: Outcome) -> P.Ids:

@@ -5,12 +5,14 @@ Owns the write-behind schedule (:class:`WriteBehind`), the :class:`Backend` inte
 where records live implements, the directory backend (:class:`StateDir`: created 0700 and
 refused when group/other-writable, foreign-owned or a symlink; one file per session, named by a
 blake2b hash of its namespace and id, never by a name a client spells; the index of records
-found at start and not yet claimed) and the tokenizer caches' files (:class:`CacheFiles`).
+found at start and not yet claimed), the bookkeeping of restore at start (:class:`Preload`:
+sessions restored from the index before their first op, held until it comes) and the
+tokenizer caches' files (:class:`CacheFiles`).
 The record format is :mod:`toktier.persist`'s; the shared Valkey/Redis backend is
 :mod:`toktier_sidecar.statestore`'s.
 
 Why one snapshot per session rather than an append-only log: a snapshot is self-contained
-(restore reads one record, checks one checksum and one certificate), a crash mid-write leaves
+(restore reads one record, checks one checksum and its tiling: :mod:`toktier.persist`), a crash mid-write leaves
 the previous record (temp file + fsync + rename; a store's SET is atomic), and nothing needs
 compaction.  It costs O(session) bytes per write, which the schedule bounds:
 
@@ -22,8 +24,12 @@ compaction.  It costs O(session) bytes per write, which the schedule bounds:
 * a session that ends loses its record: in the directory on any end (close, TTL, eviction),
   in a shared store only on Close (a TTL or eviction here says nothing of the other nodes,
   and the store's own TTL ends it there); shutdown writes every pending change and keeps them;
-* a record is restored lazily, by the first op on its session (see
-  :class:`toktier_sidecar.server.Sidecar`): the directory first, then the store.
+* the directory's records are restored at start, in the background (:class:`Preload`, driven by
+  :class:`toktier_sidecar.server.Sidecar`): most recently written first, within the session
+  memory budget, held apart from the open sessions until their first op claims them (so that
+  op is a warm repair).  A record the preload has not reached is restored by its session's
+  first op, as without a preload (the directory first, then the store); one restore per
+  record either way: the index entry is the token both paths take.
 
 Disk use: about the live sessions' text plus 4 bytes per token (plus ~300 bytes each),
 i.e. under the memory budget's worth, plus unclaimed records until their TTL, plus the
@@ -41,7 +47,7 @@ import stat
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Literal, NamedTuple, Protocol
+from typing import Any, Callable, Hashable, Iterable, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -88,6 +94,13 @@ class Snapshot(NamedTuple):
     text: str
     ids: np.ndarray
     op_key: str
+
+
+class IndexEntry(NamedTuple):
+    """A record found at start and not claimed yet: its file's mtime (wall clock) and size."""
+
+    mtime: float
+    size: int
 
 
 class Backend(Protocol):
@@ -162,17 +175,17 @@ class StateDir:
     def __init__(self, path: str, *, ttl: float) -> None:
         self.path = ensure_state_dir(path)
         self.ttl = ttl
-        #: Records found at start and not yet claimed: file name -> mtime (wall clock).
-        self.index: dict[str, float] = {}
+        #: Records found at start and not yet claimed: file name -> its mtime and size.
+        self.index: dict[str, IndexEntry] = {}
         self.write_errors = 0
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def scan(self) -> list[str]:
-        """Index the session records left by earlier runs (no reads: restores are lazy), remove
-        temp files of interrupted writes and records older than the TTL; returns the tokenizer
-        cache files found.  Blocking: at start."""
+        """Index the session records left by earlier runs (no reads: the server restores them in
+        the background, or on demand), remove temp files of interrupted writes and records older
+        than the TTL; returns the tokenizer cache files found.  Blocking: at start."""
         now = time.time()
         expired = 0
         caches = []
@@ -181,23 +194,23 @@ class StateDir:
                 if e.name.endswith(".tmp") and e.name.startswith("."):
                     _unlink(e.path)
                 elif e.name.endswith(SUFFIX) and e.is_file(follow_symlinks=False):
-                    mtime = e.stat(follow_symlinks=False).st_mtime
-                    if now - mtime > self.ttl:
+                    st = e.stat(follow_symlinks=False)
+                    if now - st.st_mtime > self.ttl:
                         _unlink(e.path)
                         expired += 1
                     else:
-                        self.index[e.name] = mtime
+                        self.index[e.name] = IndexEntry(st.st_mtime, st.st_size)
                 elif e.name.endswith(CACHE_SUFFIX) and e.is_file(follow_symlinks=False):
                     caches.append(e.path)
-        log.info("state dir %s: %d session records to restore on demand (%d expired removed), %d cache files",
-                 self.path, len(self.index), expired, len(caches))
+        log.info("state dir %s: %d session records (%.1f MB; %d expired removed), %d cache files", self.path,
+                 len(self.index), sum(e.size for e in self.index.values()) / 1e6, expired, len(caches))
         return caches
 
     def expired(self) -> list[str]:
         """Unindex unclaimed records older than the TTL (their sessions would have expired);
         the caller removes them in order with the writes."""
         cutoff = time.time() - self.ttl
-        old = [name for name, mtime in self.index.items() if mtime < cutoff]
+        old = [name for name, e in self.index.items() if e.mtime < cutoff]
         for name in old:
             del self.index[name]
         return old
@@ -213,8 +226,12 @@ class StateDir:
         return self.index.pop(record_name(key.namespace, key.session), None) is not None
 
     def load(self, key: SessionKey) -> bytes | None:
+        return self.read(record_name(key.namespace, key.session))
+
+    def read(self, name: str) -> bytes | None:
+        """Any thread: the bytes of record file ``name``, None when it is gone."""
         try:
-            with open(self.file(record_name(key.namespace, key.session)), "rb") as f:
+            with open(self.file(name), "rb") as f:
                 return f.read()
         except FileNotFoundError:
             return None
@@ -234,6 +251,116 @@ class StateDir:
 
     def close(self) -> None:
         pass
+
+
+# ------------------------------------------------------------------ restore at start
+class Held(NamedTuple):
+    """A session restored at start, not open yet (the service's ``Slot``: session, arena, seq)."""
+
+    slot: Any
+    seq: int
+    nbytes: int
+    mtime: float
+
+
+class Preload:
+    """Bookkeeping of restore at start; loop thread only (the server reads and verifies records
+    on a thread of its own and decides when; see :class:`toktier_sidecar.server.Sidecar`).
+
+    * ``inflight``: record name -> a future done once the preload's restore of it finished
+      (held or failed).  The first op of that session waits for it rather than read the
+      record again: one restore per record.
+    * ``held``: record name -> a session restored and verified whose first op has not come.  It
+      is not in the session store: no LRU eviction ends it (which would delete its record), no
+      write-behind rewrites it, and its TTL is its record's (the sweeper releases it with the
+      index entry).  Its record stays in the :class:`StateDir` index until an op claims it, so
+      a released one is still restored on demand.
+    * Memory: held sessions count against the session memory budget together with the open
+      ones.  The preload starts a record only if it fits next to both; ``trim(room, slots)``
+      releases held ones, least recently written first, when open sessions need the room.
+    """
+
+    def __init__(self, release: Callable[[Any], None], count: Callable[[str, int], None] = lambda r, n: None) -> None:
+        self._release = release  # frees a held slot's arena
+        self._count = count  # toktier_state_preload_sessions_total{result}
+        self.inflight: dict[str, asyncio.Future] = {}
+        self.held: dict[str, Held] = {}
+        #: Records the preload has not reached yet (an op on one of them "raced" it).
+        self.unreached: set[str] = set()
+        self.bytes = 0
+        self.pending = 0
+        self.running = False
+        self.done = False
+        self._t0 = 0.0
+        self._seconds = 0.0
+
+    def begin(self, names: Iterable[str]) -> None:
+        self.unreached = set(names)
+        self.pending, self.running, self._t0 = len(self.unreached), True, time.monotonic()
+
+    def reached(self, name: str) -> None:
+        self.unreached.discard(name)
+        self.pending = len(self.unreached)
+
+    def finish(self) -> None:
+        self.unreached.clear()
+        self.pending, self.running, self.done = 0, False, True
+        self._seconds = time.monotonic() - self._t0
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self._t0 if self.running else self._seconds
+
+    def count(self, result: str, n: int = 1) -> None:
+        self._count(result, n)
+
+    def hold(self, name: str, held: Held) -> None:
+        self.held[name] = held
+        self.bytes += held.nbytes
+        self.count("restored")
+
+    def take(self, name: str) -> Held | None:
+        """The held session of record ``name``, for its first op to open (or release), or None."""
+        held = self.held.pop(name, None)
+        if held is not None:
+            self.bytes -= held.nbytes
+        return held
+
+    def drop(self, name: str) -> bool:
+        """Release the held session of record ``name`` (its record stays); True if there was one."""
+        held = self.held.pop(name, None)
+        if held is None:
+            return False
+        self.bytes -= held.nbytes
+        self._release(held.slot)
+        self.count("released")
+        return True
+
+    def trim(self, room: int, slots: int) -> int:
+        """Release held sessions, least recently written first, until they take at most ``room``
+        bytes and ``slots`` sessions; returns how many were released."""
+        if self.bytes <= room and len(self.held) <= slots:
+            return 0
+        n = 0
+        for name, _held in sorted(self.held.items(), key=lambda kv: kv[1].mtime):
+            if self.bytes <= room and len(self.held) <= slots:
+                break
+            self.drop(name)
+            n += 1
+        return n
+
+    def release_all(self) -> None:
+        """At shutdown: free every held session (their records stay for the next run)."""
+        for name in list(self.held):
+            held = self.held.pop(name)
+            self._release(held.slot)
+        self.bytes = 0
+
+    def snapshot(self) -> dict:
+        """The gauges (:mod:`toktier_sidecar.metrics`); any thread (reads only)."""
+        held = dict(self.held)
+        return {"pending": self.pending, "held": len(held), "held_bytes": sum(h.nbytes for h in held.values()),
+                "seconds": self.seconds}
 
 
 # ------------------------------------------------------------------ the schedule
@@ -320,11 +447,11 @@ class WriteBehind:
             del self._pending[key]
 
     def _write(self, key: SessionKey, snap: Snapshot) -> None:
-        """Writer thread: certify, encode and checksum one snapshot once, then save it everywhere."""
+        """Writer thread: encode and checksum one snapshot once, then save it everywhere."""
         try:
             rec = SessionRecord.from_parts(snap.tok, namespace=snap.namespace, session=snap.session, seq=snap.seq,
                                            window=snap.window, text=snap.text.encode("utf-8"), ids=snap.ids,
-                                           op_key=snap.op_key)
+                                           op_key=snap.op_key, nchars=len(snap.text))
             data = encode_record(rec)
         except Exception:
             log.exception("encoding the record of session %r failed", snap.session[:64])
@@ -356,7 +483,7 @@ class WriteBehind:
 class CacheFiles:
     """The tokenizer caches' L1 entries in the state directory: one file per (namespace,
     tokenizer), a concatenation of :mod:`toktier.persist` records (session id ``""``, each with
-    its own checksum and certificate), most recently used entry first, at most the cache's L1
+    its own checksum, and the certificate ``PrefixCache.adopt`` checks), most recently used entry first, at most the cache's L1
     byte bound of text + IDs.  Written whole (temp file + rename) every
     ``state_cache_flush_interval`` seconds while the cache changed, and at shutdown; read at
     start.  Why whole files: a cache's entries change by LRU all the time, and one rename keeps
@@ -398,7 +525,8 @@ class CacheFiles:
             size = len(text) + 4 * len(ids)
             if total + size > self.max_bytes:
                 continue  # an older, smaller one may still fit
-            rec = SessionRecord.from_parts(tok, namespace=namespace, session="", seq=0, window=0, text=text, ids=ids)
+            rec = SessionRecord.from_parts(tok, namespace=namespace, session="", seq=0, window=0, text=text, ids=ids,
+                                           certify=True)
             parts.append(encode_record(rec))
             total += size
             n += 1

@@ -7,11 +7,14 @@ key of each session (``<prefix>s:<blake2b of namespace and id>``, as the state d
 files: no client id is ever part of a key), and talking to the server
 (:class:`StateStore`, a :class:`~toktier_sidecar.statedir.Backend` of the write-behind
 schedule).  Records are :mod:`toktier.persist`'s, byte for byte what the state dir writes, and
-are trusted for nothing: the server verifies each (checksum, tokenizer, key, certificate,
-``seq``) before use, as it does a file.
+are trusted for nothing: the server verifies each (checksum, tokenizer, key, ID range and tiling,
+``seq``: :mod:`toktier.persist` says what each proves) before use, as it does a file.  Records
+here are restored on demand only, never at start: the store holds every node's sessions, and
+which of them come to this node is the router's choice (the state dir's records are this
+node's own, and are restored at start).
 
 Threads, not ``redis.asyncio``: every store call runs on the state writer thread (``SET``,
-``DEL``) or on a worker thread (``GET`` during a restore, which then decodes and certifies the
+``DEL``) or on a worker thread (``GET`` during a restore, which then decodes and verifies the
 record there: O(N) work that needs a thread anyway), through redis-py's thread-safe
 connection pool.  The event loop never waits on the store, and a record of megabytes is
 never parsed on it.

@@ -168,3 +168,112 @@ def test_from_state_accepts_a_plain_list_and_an_empty_state():
     s = toktier.Session.from_state(tok, "hello world", tok.encode("hello world").tolist())
     assert s.append("!").ids.tolist() == tok.encode("hello world!").tolist()
     assert toktier.Session.from_state(tok, "", []).num_tokens == 0
+
+
+# -- session records (toktier.persist): format 3, and format 2 read by this build ----------------
+def _format2(rec) -> bytes:
+    """``rec`` as the previous build wrote it (format 2: no character count, a sha256 certificate)."""
+    import json
+    import struct
+    import zlib
+
+    header = json.dumps({
+        "tokenizer_hash": rec.tokenizer_hash, "tokenizer_name": rec.tokenizer_name, "specials": rec.specials,
+        "namespace": rec.namespace, "session": rec.session, "seq": rec.seq, "window": rec.window,
+        "certificate": rec.certificate, "op_key": rec.op_key,
+    }, separators=(",", ":")).encode()
+    body = b"".join((struct.pack("<4sHHIQQ", b"TTSR", 2, 0, len(header), len(rec.text), len(rec.ids)), header,
+                     rec.text, np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()))
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+class _NoEncode(FullPath):
+    def encode(self, tok, text):  # a record that verifies must not be re-encoded
+        raise AssertionError("encoded")
+
+
+@pytest.mark.parametrize("name", ["llama3", "o200k_base", "qwen3"])
+def test_format3_record_restores_without_an_encode_or_a_certificate(name, monkeypatch):
+    from toktier import persist
+
+    tok = get_tokenizer(name)
+    text = large_text(30_000, seed=8, kind="mixed") + " 🚀 naïve café — 東京 ✅ " + "e\u0301 decomposed"
+    s = toktier.Session(tok, text)
+    rec = persist.SessionRecord.of(s, namespace=7, session_id="c", seq=4)
+    assert rec.certificate == "" and rec.nchars == len(text)
+    data = persist.encode_record(rec)
+    monkeypatch.setattr(persist, "state_certificate", lambda *a: pytest.fail("a format-3 restore hashed the state"))
+    monkeypatch.setattr(toktier.session, "state_certificate", lambda *a: pytest.fail("hashed the state"))
+    back = persist.decode_record(data)
+    assert (back.version, back.nchars, back.seq, back.session) == (3, len(text), 4, "c")
+    t = persist.restore_session(tok, back, full_path=_NoEncode())
+    assert t.text == text and t.num_chars == len(text) and np.array_equal(t.ids, s.ids)
+    for more in (" and then some more words.", "e\u0301!"):
+        r = t.append(more)
+        assert np.array_equal(r.ids, tok.encode(t.text)) and r.path is not toktier.RepairPath.FULL
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_format2_records_are_read_and_verified_as_before(name):
+    from toktier import persist
+
+    tok = get_tokenizer(name)
+    text = large_text(20_000, seed=9, kind="mixed") + " 🚀 ✅"
+    s = toktier.Session(tok, text)
+    rec = persist.SessionRecord.of(s, namespace=1000, session_id="old", seq=2, certify=True)
+    back = persist.decode_record(_format2(rec))
+    assert (back.version, back.nchars, back.certificate) == (2, -1, s.certificate())
+    t = persist.restore_session(tok, back, full_path=_NoEncode())  # its certificate matches: no encode
+    assert t.num_chars == len(text) and np.array_equal(t.append("!").ids, tok.encode(text + "!"))
+    swapped = rec.ids.copy()
+    swapped[[1, 2]] = swapped[[2, 1]]
+    liar = persist.SessionRecord(rec.tokenizer_hash, rec.tokenizer_name, rec.specials, 1000, "old", 2, 0, rec.text,
+                                 swapped, rec.certificate)  # the certificate is of other IDs: verified by an encode
+    with pytest.raises(toktier.InvalidState):
+        persist.restore_session(tok, persist.decode_record(_format2(liar)))
+
+
+def test_format3_record_checks():
+    from toktier import persist
+
+    tok = get_tokenizer("llama3")
+    text = "hello world, hello tokens 🚀"
+    good = tok.encode(text).astype(np.uint32)
+
+    def record(ids, nchars=len(text), **kw):
+        return persist.SessionRecord(tok.hash, tok.name, tok.specials, 0, "x", 1, 0, text.encode(), ids, "",
+                                     nchars=nchars, **kw)
+
+    back = persist.decode_record(persist.encode_record(record(good)))
+    assert np.array_equal(persist.restore_session(tok, back).ids, good)
+    # Another state's IDs (lengths that do not tile the text): verified by an encode, refused.
+    with pytest.raises(toktier.InvalidState, match="not the reference"):
+        persist.restore_session(tok, record(tok.encode(text + " more").astype(np.uint32)))
+    with pytest.raises(toktier.InvalidState, match="outside"):  # before anything indexes with it
+        persist.restore_session(tok, record(np.array([len(tok.table) + 5], dtype=np.uint32)))
+    for nchars in (len(text) * 5, len(text.encode()) + 1, 0):  # no UTF-8 text of this size has that many
+        with pytest.raises(persist.CorruptRecord, match="characters"):
+            persist.restore_session(tok, record(good, nchars=nchars))
+    ascii_rec = persist.SessionRecord(tok.hash, tok.name, tok.specials, 0, "x", 1, 0, b"plain", tok.encode("plain"),
+                                      "", nchars=4)
+    with pytest.raises(persist.CorruptRecord):
+        persist.restore_session(tok, ascii_rec)
+    with pytest.raises(persist.ForeignRecord, match="tokenizer"):
+        persist.restore_session(get_tokenizer("cl100k_base"), back)
+    data = bytearray(persist.encode_record(record(good)))
+    data[4:6] = (9).to_bytes(2, "little")
+    with pytest.raises(persist.ForeignRecord, match="version 9"):
+        persist.decode_record(bytes(data))
+    data = bytearray(persist.encode_record(record(good)))
+    data[len(data) // 2] ^= 0x10
+    with pytest.raises(persist.CorruptRecord, match="checksum"):
+        persist.decode_record(bytes(data))
+
+
+def test_persist_doctests():
+    import doctest
+
+    from toktier import persist
+
+    res = doctest.testmod(persist)
+    assert res.failed == 0 and res.attempted > 0

@@ -247,14 +247,20 @@ class Session:
     @classmethod
     def _from_state_utf8(cls, tokenizer: FrozenTokenizer, data: bytes, nchars: int, ids: np.ndarray, *,
                          certificate: str | None = None, window: int | None = None, allocator: Allocator | None = None,
-                         full_path: FullPath | None = None, text: str | None = None) -> "Session":
+                         full_path: FullPath | None = None, text: str | None = None,
+                         checksummed: bool = False) -> "Session":
         """`from_state` of valid UTF-8 `data` holding `nchars` characters (`text`: the same as a str,
-        when the caller has it; decoded only if the state must be verified by encoding)."""
+        when the caller has it; decoded only if the state must be verified by encoding).
+
+        `checksummed`: the caller vouches for the state's integrity and origin (a session record
+        whose checksum held, read from a store only this server writes: `toktier.persist`), so
+        it is accepted as a certified one is, without a certificate: IDs in range and token
+        bytes that tile the text (O(N), no encode), else verified by one encode."""
         if len(data) >= MAX_TEXT_BYTES:
             raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
         ids = _checked_ids(ids, len(tokenizer.table))
         s = cls(tokenizer, window=window, allocator=allocator, full_path=full_path)
-        certified = certificate is not None and certificate == state_certificate(tokenizer, data, ids)
+        certified = checksummed or (certificate is not None and certificate == state_certificate(tokenizer, data, ids))
         if certified:
             s._prime(data, nchars, ids)
             if not s._spliceable or s._tiles:
@@ -489,7 +495,7 @@ class Session:
         still splice (a decomposed file name early in a session costs nothing later).
         Otherwise no splice is provable for this text (`_tiles` False).
         """
-        lens = self.tokenizer.token_len[ids]
+        lens = np.take(self.tokenizer.token_len, ids)  # ~2x faster than a fancy index here (1M chars: 0.4 vs 0.7 ms)
         dirty: list[tuple[int, int, int]] = []
         ok = self._tiles_exactly(ids, text, lens)
         if not ok and self.tokenizer.family_info.nfc:

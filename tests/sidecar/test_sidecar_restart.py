@@ -13,7 +13,7 @@ import pytest
 from sidecar_texts import apply_op, random_op
 from toktier_client import AsyncClient, Client, SessionConflict, SessionMiss
 from sidecar_harness import llama3, registry, sidecar, start_sidecar  # noqa: F401  (fixtures)
-from sidecar_harness import shm_names
+from sidecar_harness import shm_names, wait_until
 
 
 def test_restart_recovers_sessions_exactly(sidecar, llama3):
@@ -74,3 +74,23 @@ def test_conflict_is_raised_even_with_recovery(sidecar, llama3):
             a.append(" three")
         r = b.append(" x")  # b's acknowledged state is intact and b goes on
         assert np.array_equal(r.ids, llama3.encode("one two x"))
+
+
+def test_clients_ride_through_restarts_with_sessions_restored_at_start(start_sidecar, tmp_path, llama3):
+    """With ``--state-dir``, each restart restores the sessions in the background: the clients'
+    next ops are repairs, never re-encodes, and their IDs are the reference's."""
+    st = start_sidecar(state_dir=str(tmp_path / "state"), state_flush_delay=0.01)
+    with Client(st.path, reconnect_timeout=30) as c:
+        texts = {f"p{i}": f"session {i}: " + "hello world. " * (200 * (i + 1)) + "🚀" for i in range(4)}
+        sessions = {k: c.session(k, text=t, recover=True) for k, t in texts.items()}
+        for round_ in range(2):
+            st.restart()  # graceful: pending records are written at shutdown
+            assert wait_until(lambda: st.sidecar.preload.done, 30)
+            for k, s in sessions.items():
+                ops = [("append", (f" turn {round_}: naïve café ✅",)), ("edit", (10, 16, "EDITED"))]
+                for kind, args in ops:
+                    r = getattr(s, kind)(*args)
+                    texts[k] = apply_op(texts[k], kind, args)
+                    assert r.path != "full"  # restored at start: a repair
+                    assert np.array_equal(r.ids, llama3.encode(texts[k]))
+        assert st.sidecar.service.full_path.stats().encodes == 0

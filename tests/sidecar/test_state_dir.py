@@ -5,12 +5,15 @@ reference) are counted misses that never yield wrong IDs; the directory must be 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -58,6 +61,19 @@ def restores(st) -> dict[str, float]:
 
 def full_encodes(st) -> int:
     return st.sidecar.service.full_path.stats().encodes
+
+
+def format2_bytes(rec: SessionRecord) -> bytes:
+    """``rec`` as the previous build wrote it: record format 2 (no character count; the sha256
+    certificate ``rec`` carries: make it with ``certify=True``), byte for byte."""
+    header = json.dumps({
+        "tokenizer_hash": rec.tokenizer_hash, "tokenizer_name": rec.tokenizer_name, "specials": rec.specials,
+        "namespace": rec.namespace, "session": rec.session, "seq": rec.seq, "window": rec.window,
+        "certificate": rec.certificate, "op_key": rec.op_key,
+    }, separators=(",", ":")).encode()
+    body = b"".join((struct.pack("<4sHHIQQ", b"TTSR", 2, 0, len(header), len(rec.text), len(rec.ids)), header,
+                     rec.text, np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()))
+    return body + struct.pack("<I", zlib.crc32(body))
 
 
 # ----------------------------------------------------------------- in-process restarts
@@ -211,7 +227,12 @@ def test_record_for_another_tokenizer_is_foreign(start_sidecar, tmp_path, llama3
     assert restores(st)["foreign"] == 1
 
 
-def test_record_that_is_not_the_reference_is_invalid_without_recovery(start_sidecar, tmp_path, llama3):
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_record_that_is_not_the_reference_is_invalid_without_recovery(start_sidecar, tmp_path, llama3, fmt):
+    """Checksummed, yet not the reference encoding of its text.  Format 3: IDs of another state
+    (a writer pairing a text with the wrong IDs): their lengths do not tile the text, so the
+    record is verified by an encode, which refuses it.  Format 2: IDs its certificate (of other
+    IDs) does not vouch for: verified by an encode too."""
     state = tmp_path / "state"
     st = start_sidecar(state_dir=str(state))
     text = "hello world, hello tokens"
@@ -220,11 +241,17 @@ def test_record_that_is_not_the_reference_is_invalid_without_recovery(start_side
         seq = s.last.seq
         st.stop()
         good = llama3.encode(text).astype(np.uint32)
-        ids = good.copy()
-        ids[[1, 2]] = ids[[2, 1]]  # checksummed, but not the state its certificate (of `good`) vouches for
-        rec = SessionRecord(llama3.hash, llama3.name, llama3.specials, os.getuid(), "liar", seq, 0,
-                            text.encode(), ids, state_certificate(llama3, text.encode(), good))
-        write_record(record_path(state, "liar"), rec)
+        if fmt == 3:
+            ids = llama3.encode(text + " and more").astype(np.uint32)  # another state's IDs
+            rec = SessionRecord(llama3.hash, llama3.name, llama3.specials, os.getuid(), "liar", seq, 0,
+                                text.encode(), ids, "", nchars=len(text))
+            write_record(record_path(state, "liar"), rec)
+        else:
+            ids = good.copy()
+            ids[[1, 2]] = ids[[2, 1]]  # not the state its certificate (of `good`) vouches for
+            rec = SessionRecord(llama3.hash, llama3.name, llama3.specials, os.getuid(), "liar", seq, 0,
+                                text.encode(), ids, state_certificate(llama3, text.encode(), good))
+            open(record_path(state, "liar"), "wb").write(format2_bytes(rec))
         st.start()
         with pytest.raises(SessionMiss):  # without recovery the miss is the caller's: never wrong IDs
             s.append("!")

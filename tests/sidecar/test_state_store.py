@@ -210,7 +210,9 @@ def test_state_dir_first_then_the_store(store_server, start_sidecar, tmp_path, l
         seq = sb.last.seq
     stored(store_server, "hop", seq)
     a.start()
-    with Client(a.path) as ca:  # a client that saw seq: A's own record is stale, the store's is not
+    # A restores its own record at start (the dir's records only: the store's are every node's)...
+    assert wait_until(lambda: a.sidecar.preload.done) and len(a.sidecar.preload.held) == 1
+    with Client(a.path) as ca:  # ...but a client that saw seq: A's own record is stale, the store's is not
         reply = ca.run(core.request(P.Append(id=ca.next_id(), session="hop", text=" three", expect_seq=seq), P.Ids))
         text += " three"
         assert reply.seq == seq + 1 and reply.path in REPAIRS
