@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import toktier
 from toktier import chat, text_diff
 from toktier.conversation import Conversation, ConversationPath
-from toktier.errors import ChatTemplateMissing, InvalidChatInput, InvalidConversationOp
+from toktier.errors import ChatTemplateError, ChatTemplateMissing, InvalidChatInput, InvalidConversationOp
 from toktier.session import RepairPath
 
 from conftest import get_tokenizer
@@ -401,3 +401,59 @@ def test_random_op_sequences(name, ops, tally):
 @given(ops=_OPS)
 def test_random_op_sequences_long(name, ops, tally):
     _run_ops(name, ops, tally)
+
+
+# --------------------------------------------------------------------------- bound templates (issue 17, second pass)
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_bound_template_renders_like_render(name):
+    """`ChatTemplate.bind` (arguments prepared once, tojson of bound tools kept) renders exactly
+    what `render` does, for every message list and generation-prompt setting; two bindings of one
+    template with other tools do not share their JSON."""
+    _tok, template = family(name)
+    other_tool = {"type": "function", "function": {"name": "lookup", "description": "Ünïcödé <|im_end|>",
+                                                   "parameters": {"type": "object", "properties": {}}}}
+    chats = [for_family(name, ADVERSARIAL), *[for_family(name, c) for c in sharegpt_tool_chats(3)]]
+    for kwargs in ({}, {"tools": [WEATHER]}, {"tools": [other_tool, WEATHER]}):
+        bound = template.bind(**kwargs)
+        for messages in chats:
+            prepared = chat.prepare_messages(messages)
+            for n in (1, 3, len(prepared)):
+                for agp in (True, False):
+                    try:
+                        want = template.render(messages[:n], add_generation_prompt=agp, **kwargs)
+                    except ChatTemplateError:
+                        with pytest.raises(ChatTemplateError):
+                            bound(prepared[:n], agp)
+                        continue
+                    assert bound(prepared[:n], agp) == want
+                    assert bound(prepared[:n], agp) == want  # the second render reads the memo
+
+
+def test_bound_template_tojson_memo_and_sandbox():
+    """The memo keys on the object and the filter's arguments (a list of separators is not kept,
+    and still right); the faster sandbox refuses what jinja2's refuses and reads a message key
+    the way jinja2 does (an attribute of dict first)."""
+    tools = [{"name": "f", "x": [1, {"y": "é"}]}]
+    t = chat.ChatTemplate("{{ tools[0] | tojson }}|{{ tools[0] | tojson(indent=2) }}|"
+                          "{{ tools[0].x | tojson(separators=[',', ':']) }}|{{ tools[0] | tojson(sort_keys=true) }}")
+    bound = t.bind(tools=tools)
+    want = t.render([{"role": "user", "content": ""}], tools=tools)
+    for _ in range(2):
+        assert bound([{"role": "user", "content": ""}], False) == want
+    tools[0]["name"] = "g"  # the caller's list changes: the binding holds its own copy
+    assert bound([{"role": "user", "content": ""}], False) == want
+    assert t.bind(tools=tools)([{"role": "user", "content": ""}], False) == want.replace('"f"', '"g"')
+    m = chat.prepare_messages([{"role": "user", "content": "c", "items": "KEY", "kind": "k"}])
+    probe = chat.ChatTemplate("{{ messages[0].kind }} {{ messages[0].items is string }} {{ messages[0].nope }}"
+                              "{{ messages[0].role.upper() }} {{ loop_undefined }}")
+    assert probe.bind()(m, False) == probe.render(m) == "k False USER "
+    for unsafe in ("{{ messages.append(1) }}", "{{ ''.__class__.__mro__ }}", "{{ messages[0].clear() }}",
+                   "{% for m in messages %}{{ loop.__class__ }}{% endfor %}", "{{ namespace(_x=1) }}"):
+        template = chat.ChatTemplate(unsafe)
+        for render in (lambda: template.render(m), lambda: template.bind()(m, False)):
+            try:
+                out = render()
+            except ChatTemplateError:
+                continue
+            assert "class" not in out and out.strip() in ("", "None"), unsafe

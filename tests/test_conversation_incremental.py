@@ -236,15 +236,21 @@ KINDS = {"user": ("user", False, False), "assistant": ("assistant", False, False
          "tool": ("tool", False, False), "system": ("system", False, False)}
 
 
-@pytest.mark.parametrize("name, nonlocal_", [("llama3_1", set()), ("qwen3", {"user"}),
-                                             ("deepseek_v3", {"tool", "system"})])
-def test_bundled_template_locality(name, nonlocal_):
+@pytest.mark.parametrize("name, nonlocal_, state_head", [("llama3_1", set(), set()), ("qwen3", {"user"}, set()),
+                                                         ("deepseek_v3", {"system"}, {"tool"})])
+def test_bundled_template_locality(name, nonlocal_, state_head):
+    """DeepSeek V3 renders only the conversation's first tool output with a begin tag: a tool turn
+    is local only with the state head (scheme 1: the latest tool output before the window in the
+    head); its system messages, gathered up front, are local under no scheme."""
     _tok, template = family(name)
     for gp in (True, False):
         verdict = render_window.probe_locality(template, {}, gp)
         for label, kind in KINDS.items():
             assert (kind in verdict.nonlocal_) == (label in nonlocal_), (name, gp, label)
             assert (kind in verdict.local) == (label not in nonlocal_), (name, gp, label)
+            if label not in nonlocal_:
+                assert verdict.verdict(kind, 0) == (label not in state_head), (name, gp, label)
+                assert verdict.scheme_for([{"role": label.split("_")[0], "content": "x"}]) is not None
 
 
 # Crafted templates that are not local: each must fall back where it is not, and stay exact.
@@ -324,11 +330,11 @@ def test_windowed_appends_equal_the_full_render_on_real_chats(name, tally):
                 tally(tok, "ids", 1)
             assert full.render_stats.windowed == 0
             windowed += conv.render_stats.windowed
-    if name == "llama3_1":  # (Qwen3: user turns are not local; DeepSeek V3: tool turns are not)
+    if name != "qwen3":  # (Qwen3: user turns are not local; DeepSeek V3's tool turns need the state head)
         assert windowed > 0
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1", "deepseek_v3"])
 def test_windowed_token_in_turns_follow_the_definition(name, tally):
     """An agent loop with every assistant turn sampled: the windowed path (tail and drift
     reference) against the independent TITO definition after every op."""
@@ -339,7 +345,7 @@ def test_windowed_token_in_turns_follow_the_definition(name, tally):
     for i in range(12):
         r = m.generate(m.sample(f"step {i}: calling a tool" + (" <think>x</think>" if i % 5 == 0 else "")))
         m.check(r, tally)
-        r2 = m.conv.append_messages([{"role": "tool" if name == "qwen3" else "ipython",
+        r2 = m.conv.append_messages([{"role": "ipython" if name == "llama3_1" else "tool",
                                       "content": f"output {i} " * (i + 1)}])
         m.check(r2, tally)
         windowed += r.windowed + r2.windowed
@@ -429,3 +435,170 @@ def test_state_left_by_the_last_messages_is_probed(tally):
         r = conv.append_messages([{"role": "user", "content": ""}])
         assert r.text == full_text(conv) and r.ids.tolist() == tok.encode(r.text).tolist()
         tally(tok, "ids", 1)
+
+
+# --------------------------------------------------------------------------- 3: per-turn cost, second pass
+
+def test_rope_equals_the_string_it_stands_for():
+    """`render_window.Rope` (the conversation's texts) against plain strings: random edits near
+    and far from the end, joins in between, reads of every kind (seed printed on failure)."""
+    import random
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        text = "".join(rng.choice("ab\u00e9\U0001f642") for _ in range(rng.randrange(0, 12)))
+        rope = render_window.Rope.of(text)
+        history = [(rope, text)]
+        for _ in range(rng.randrange(1, 16)):
+            start = rng.randrange(max(0, len(text) - 6), len(text) + 1) if rng.random() < 0.7 else \
+                rng.randrange(0, len(text) + 1)
+            piece = "".join(rng.choice("xyz\u00fc") for _ in range(rng.randrange(0, 6)))
+            text, rope = text[:start] + piece, rope.replace_from(start, piece)
+            if rng.random() < 0.2:
+                str(rope)
+            history.append((rope, text))
+            a = rng.randrange(0, len(text) + 1)
+            b = rng.randrange(a, len(text) + 1)
+            assert rope.slice(a, b) == text[a:b], seed
+            assert len(rope) == len(text) and rope.endswith(text[a:]), seed
+        for r, t in history:  # persistent: every earlier rope still spells its own text
+            assert str(r) == t and r == t, seed
+
+
+# A template that carries state across the whole conversation the way DeepSeek V3 does: only the
+# first tool output ever opens the outputs block, and the block is closed by whatever follows.
+FIRST_OUTPUT = ("{% set ns = namespace(first=true, tool=false) %}{% for m in messages %}"
+                "{% if m.role == 'tool' %}{% if ns.first %}<outputs>{% set ns.first = false %}{% else %}|{% endif %}"
+                "<out>{{ m.content }}</out>{% set ns.tool = true %}"
+                "{% else %}{% if ns.tool %}</outputs>{% endif %}{% set ns.tool = false %}"
+                "<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}{% if ns.tool %}</outputs>{% endif %}"
+                "{% if add_generation_prompt and not ns.tool %}<assistant>{% endif %}")
+
+
+def _agent_turns(name: str, n: int, seed: int) -> list[list[dict]]:
+    """Agent turns (assistant, tool outputs, now and then a user follow-up) with adversarial text:
+    special-token spellings in tool arguments and outputs, think blocks, empty contents, unicode."""
+    import random
+
+    rng = random.Random(seed)
+    specials = ["<|im_end|>\n<|im_start|>user", "<｜tool▁outputs▁begin｜>", "<|eot_id|>", "<｜end▁of▁sentence｜>", ""]
+    turns = []
+    for i in range(n):
+        arg = {"path": f"src/{i}.py", "note": rng.choice(specials) + " Ünïcödé 🙂"}
+        if name == "deepseek_v3":
+            content = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read\n```json\n"
+                       + json.dumps(arg, ensure_ascii=False) + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+            assistant = {"role": "assistant", "content": rng.choice(["", "Let me look. "]) + content}
+        elif name == "llama3_1":
+            assistant = {"role": "assistant", "content": json.dumps({"name": "read", "parameters": arg})}
+        elif name == "qwen3":
+            assistant = {"role": "assistant", "content": rng.choice(["", "Reading."]),
+                         "reasoning_content": rng.choice(["", "think <|im_end|> hard", "plan"]),
+                         "tool_calls": [call("read", arg, f"c{i}")]}
+        else:
+            assistant = {"role": "assistant", "content": rng.choice(["<think>x</think>ok", "", "a\u0301"])}
+        role = "ipython" if name == "llama3_1" else "tool"
+        outputs = [{"role": role, "content": rng.choice(specials) + f" out {i} " * rng.randrange(0, 30)}
+                   for _ in range(1 if name == "llama3_1" else rng.randrange(1, 4))]
+        if rng.random() < 0.25:
+            outputs.append({"role": "user", "content": rng.choice(["", "next: " + rng.choice(specials)])})
+        turns.append([assistant, *outputs])
+    return turns
+
+
+def _templates_for_batches():
+    out = []
+    for name in sorted(FAMILIES):
+        out.append((name, *family(name)))
+    tok = get_tokenizer("qwen3")
+    out.append(("first_output", tok, chat.ChatTemplate(FIRST_OUTPUT, name="first_output")))
+    for name in ("last_user_on_top", "systems_up_front", "quotes_the_task"):
+        out.append((name, tok, chat.ChatTemplate(CRAFTED[name][0], name=name)))
+    return out
+
+
+@pytest.mark.parametrize("agp", [True, False])
+def test_batched_windowed_appends_equal_the_full_render(agp, tally):
+    """A whole agent turn appended in one op (the window is found for its first message and kept
+    for the rest), every bundled template and the crafted ones, against the full render and the
+    reference encoding after every op; then a rollback and a branch (the role index the windows
+    use is cut back) and more windowed appends."""
+    for name, tok, template in _templates_for_batches():
+        start = [{"role": "system", "content": "Agent <|im_end|>."}, {"role": "user", "content": "Fix the bug."}]
+        conv = Conversation(tok, template, add_generation_prompt=agp)
+        conv.append_messages(start)
+        for i, turn in enumerate(_agent_turns(name, 14, seed=len(name) + agp)):
+            if name == "llama3_1":  # one result per call, as with Llama 3.1 JSON calls
+                turn = turn[:2]
+            if i % 3 == 1:  # the assistant message alone, then its outputs (a windowed single append)
+                one = conv.append_messages(turn[:1])
+                assert one.text == full_text(conv) and one.ids.tolist() == tok.encode(one.text).tolist(), (name, i)
+                r = conv.append_messages(turn[1:])
+            else:  # the whole turn in one op (one window for all of it)
+                r = conv.append_messages(turn)
+            expected = full_text(conv)
+            assert r.text == expected and conv.num_chars == len(expected), (name, i)
+            assert r.ids.tolist() == tok.encode(expected).tolist(), (name, i)
+            tally(tok, "ids", 1)
+        n = conv.num_messages
+        for op in (lambda c: c.rollback(n - 3), lambda c: c.set_messages([*c.messages[:-2], {"role": "user",
+                                                                                          "content": "redo"}])):
+            op(conv)
+            for turn in _agent_turns(name, 3, seed=7):
+                r = conv.append_messages(turn[:2] if name == "llama3_1" else turn)
+                assert r.text == full_text(conv), name
+                assert r.ids.tolist() == tok.encode(r.text).tolist(), name
+                tally(tok, "ids", 1)
+        if name in ("llama3_1", "deepseek_v3", "first_output", "qwen3"):
+            assert conv.render_stats.windowed > 0, name
+
+
+def test_state_head_serves_templates_that_carry_state():
+    """The state head (scheme 1): a tool output is not local with the plain head (the window may
+    hold no earlier output, so it would open the block again) and is local with the latest
+    output before the window in the head; DeepSeek V3 alike."""
+    crafted = chat.ChatTemplate(FIRST_OUTPUT, name="first_output")
+    for template in (crafted, family("deepseek_v3")[1]):
+        verdict = render_window.Locality(template, {}, True)
+        tool = ("tool", False, False)
+        assert not verdict.verdict(tool, 0) and verdict.verdict(tool, 1), template.name
+        assert list(verdict.schemes_for([{"role": "tool", "content": "x"}])) == [1]
+    # Far-back state: the only earlier tool output is 40 messages before the window.
+    tok = get_tokenizer("qwen3")
+    conv = Conversation(tok, crafted)
+    history = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "call"},
+               {"role": "tool", "content": "first"}]
+    history += [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(40)]
+    conv.append_messages(history)
+    before = conv.render_stats.windowed
+    r = conv.append_messages([{"role": "tool", "content": "second"}, {"role": "assistant", "content": "done"}])
+    assert r.windowed and conv.render_stats.windowed == before + 1
+    assert r.text == full_text(conv) and "|<out>second</out>" in r.text and r.text.count("<outputs>") == 1
+    assert r.ids.tolist() == tok.encode(r.text).tolist()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "first_output"])
+def test_state_head_token_in_turns_follow_the_definition(name, tally):
+    """Token-in with a state-carrying template: tail, marker cut and drift reference all through
+    windows, against the independent TITO definition and drift after every op."""
+    if name == "first_output":
+        m = Model("qwen3")
+        m.template = chat.ChatTemplate(FIRST_OUTPUT, {"eos_token": "<|im_end|>"}, name=name)
+        m.conv = Conversation(m.tok, m.template)
+        m.stop, m.is_start = "<|im_end|>", False
+    else:
+        m = Model(name)
+    m.check(m.conv.append_messages([{"role": "system", "content": "Agent."}, {"role": "user", "content": "go"}]),
+            tally)
+    for i, turn in enumerate(_agent_turns("deepseek_v3", 10, seed=3)):
+        text = turn[0]["content"] + (" <｜tool▁outputs▁begin｜>" if i == 4 else "")
+        ids = m.sample(text)
+        if i % 4 == 1:  # a non-canonical split of the first token's bytes: drift
+            first = m.tok.token_bytes[ids[0]]
+            if len(first) > 1:
+                a, b = m.tok.encode(first[:1].decode("latin-1")), m.tok.encode(first[1:].decode("latin-1"))
+                if b"".join(m.tok.token_bytes[t] for t in [*a, *b]) == first:
+                    ids = [*a.tolist(), *b.tolist(), *ids[1:]]
+        m.check(m.generate(ids, message=turn[0] if i % 2 else None), tally)
+        m.check(m.conv.append_messages(turn[1:]), tally)
+    assert m.conv.render_stats.windowed > 10

@@ -507,3 +507,38 @@ def test_doctests():
     for module in (conversation, junctions, message_match):
         res = doctest.testmod(module)
         assert res.attempted >= 2 and res.failed == 0, module.__name__
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_result_texts_are_snapshots_across_runs_forks_and_rollbacks(name, tally):
+    """Results keep the text of their own op (O(1) rope snapshots of the text before the tail and
+    the tail, joined on first access), read only after later runs, a fork's ops, and a rollback
+    that drops runs (the text before the tail is cut back to the kept runs); every op is checked
+    against the TITO definition on a twin conversation driven alike."""
+    m, twin = Model(name), Model(name)
+    tool = "ipython" if name == "llama3_1" else "tool"
+    unread, texts = [], []
+
+    def both(op):
+        res, twin_res = op(m), op(twin)
+        twin.check(twin_res, tally)  # reads twin_res.text; `res.text` stays unread until the end
+        unread.append(res)
+        texts.append(twin.conv.text)  # (m's own ropes stay unjoined until the end)
+
+    start = [{"role": "system", "content": "Agent <|eot_id|>."}, {"role": "user", "content": "go 🙂"}]
+    both(lambda x: x.conv.append_messages(start))
+    for i in range(5):
+        ids = m.sample(f"call {i} <｜tool▁outputs▁begin｜>" if i % 2 else f"step {i}")
+        both(lambda x: x.generate(ids))
+        both(lambda x: x.conv.append_messages([{"role": tool, "content": f"out {i} " * (i + 2)}]))
+    branch = m.conv.fork()
+    branch.append_generated(m.sample("a fork's own turn"))
+    for x in (m, twin):
+        x.keep_runs_before(5)
+    both(lambda x: x.conv.rollback(5))  # drops the runs at or after message 5
+    assert len(m.conv.generated) == 2
+    both(lambda x: x.generate(x.sample("again")))
+    both(lambda x: x.conv.append_messages([{"role": tool, "content": "late"}]))
+    assert [r.text for r in unread] == texts  # first read now, after every later op
+    assert branch.text.startswith(texts[10]) and branch.num_chars == len(branch.text)
+    assert m.conv.num_chars == len(m.conv.text) and m.conv.ids.tolist() == twin.conv.ids.tolist()

@@ -75,6 +75,7 @@ what the conversation stores and compares.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import hashlib
 import json
@@ -187,12 +188,16 @@ class ChatTemplate:
             raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
         return self._render_plain(messages, add_generation_prompt, False, tools, documents, kwargs)
 
-    def _render_plain(self, chat: list[dict], add_generation_prompt: bool, continue_final_message: bool | str,
-                      tools: Sequence[Mapping[str, Any]] | None, documents: Sequence[Mapping[str, Any]] | None,
-                      kwargs: dict[str, Any]) -> str:
-        if continue_final_message and add_generation_prompt:
-            raise InvalidChatInput("continue_final_message and add_generation_prompt exclude each other: the first "
-                                   "continues the final message, the second opens a new assistant turn")
+    def bind(self, *, tools: Sequence[Mapping[str, Any]] | None = None,
+             documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> BoundTemplate:
+        """This template with its render arguments prepared once (`BoundTemplate`): for a caller that
+        renders many message lists with the same `tools=`, `documents=` and keywords."""
+        return BoundTemplate(self, *self._prepare_arguments(tools, documents, kwargs))
+
+    def _prepare_arguments(self, tools: Sequence[Mapping[str, Any]] | None,
+                           documents: Sequence[Mapping[str, Any]] | None,
+                           kwargs: dict[str, Any]) -> tuple[list[Any] | None, list[Any] | None, dict[str, Any]]:
+        """(tools, documents, variables) as the template sees them: plain JSON types (copies)."""
         reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(kwargs)
         if reserved:
             raise InvalidChatInput(f"{sorted(reserved)} are set by render itself; pass them as its own arguments")
@@ -200,6 +205,20 @@ class ChatTemplate:
                                  "with transformers.utils.get_json_schema")
         documents = _mappings(documents, "documents are dicts (usually with 'title' and 'text' keys)")
         variables = _plain({**self.special_tokens, **kwargs})  # a keyword overrides a special token
+        return tools, documents, variables
+
+    def _render_plain(self, chat: list[dict], add_generation_prompt: bool, continue_final_message: bool | str,
+                      tools: Sequence[Mapping[str, Any]] | None, documents: Sequence[Mapping[str, Any]] | None,
+                      kwargs: dict[str, Any]) -> str:
+        if continue_final_message and add_generation_prompt:
+            raise InvalidChatInput("continue_final_message and add_generation_prompt exclude each other: the first "
+                                   "continues the final message, the second opens a new assistant turn")
+        tools, documents, variables = self._prepare_arguments(tools, documents, kwargs)
+        return self._render_ready(chat, add_generation_prompt, continue_final_message, tools, documents, variables)
+
+    def _render_ready(self, chat: list[dict], add_generation_prompt: bool, continue_final_message: bool | str,
+                      tools: list[Any] | None, documents: list[Any] | None, variables: dict[str, Any]) -> str:
+        """The render itself, of prepared messages and `_prepare_arguments`' results."""
         chat = _alias_reasoning(chat)  # new dicts where it aliases: the caller's are never changed
         continued = None
         if continue_final_message:
@@ -212,6 +231,46 @@ class ChatTemplate:
         if continued is not None:
             text = _cut_at_tag(text, continued)
         return text
+
+
+class BoundTemplate:
+    """A `ChatTemplate` with its render arguments (tools, documents, keywords) prepared once
+    (`ChatTemplate.bind`): calling it renders a list that `prepare_messages` returned, exactly as
+    ``template.render(messages, add_generation_prompt=..., **arguments)`` does.
+
+    The prepared arguments are private copies the template cannot change (the sandbox refuses
+    every mutating method of dicts and lists), so sharing them across renders is safe; the caller
+    changing its own tools list later changes nothing here.
+
+    >>> t = ChatTemplate("{{ tools | length }}:{% for m in messages %}{{ m.content }}{% endfor %}")
+    >>> t.bind(tools=[{"name": "f"}])([{"role": "user", "content": "hi"}], False)
+    '1:hi'
+    """
+
+    __slots__ = ("template", "_tools", "_documents", "_variables", "_json")
+
+    def __init__(self, template: ChatTemplate, tools: list[Any] | None, documents: list[Any] | None,
+                 variables: dict[str, Any]) -> None:
+        self.template, self._tools, self._documents, self._variables = template, tools, documents, variables
+        # `x | tojson` of a prepared tool or document (or a part of one) is the same text on every
+        # render: kept per object (the objects are private and never change) and arguments.
+        self._json: dict[int, tuple[Any, dict[Any, str]]] = {}
+        stack: list[Any] = [tools, documents]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, (dict, list)):
+                self._json[id(value)] = (value, {})
+                stack.extend(value.values() if isinstance(value, dict) else value)
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if not messages:
+            raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
+        token = _JSON_MEMO.set(self._json)
+        try:
+            return self.template._render_ready(messages, add_generation_prompt, False, self._tools, self._documents,
+                                               self._variables)
+        finally:
+            _JSON_MEMO.reset(token)
 
 
 def render(messages: Messages, template: ChatTemplate | str, *, add_generation_prompt: bool = False,
@@ -303,20 +362,91 @@ def _compile(source: str, name: str) -> Any:
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
                separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         # Jinja's own tojson escapes HTML characters (<, >, &, '); chat templates need plain JSON.
+        memo = _JSON_MEMO.get()
+        hit = memo.get(id(value)) if memo is not None else None
+        if hit is not None and hit[0] is value:  # a bound tool or document: dumped once per arguments
+            try:
+                key = (ensure_ascii, indent, separators, sort_keys)
+                text = hit[1].get(key)
+            except TypeError:  # unhashable arguments (separators given as a list): not kept
+                key, text = None, None
+            if text is None:
+                text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                  sort_keys=sort_keys)
+                if key is not None:
+                    hit[1][key] = text
+            return text
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _environment_class(jinja2)(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.cached_types = env.cached_types | {SafeNamespace}  # its attribute safety depends on the name alone
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=DictConstructor(),
                        namespace=SafeNamespace)
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateError as exc:
         raise ChatTemplateError(f"chat template {name!r} does not compile: {type(exc).__name__}: {exc}") from exc
+
+
+#: Types whose attribute safety is a function of (type, attribute name) alone: exact builtins,
+#: which have no instance __dict__, no __class__ override and no metaclass tricks.
+_PLAIN_TYPES = frozenset({str, dict, list, tuple, int, float, bool, type(None)})
+_ENV_CLASS: Any = None
+#: The running `BoundTemplate`'s tojson memo (None outside one).
+_JSON_MEMO: contextvars.ContextVar[dict[int, tuple[Any, dict[Any, str]]] | None] = contextvars.ContextVar(
+    "toktier_chat_json_memo", default=None)
+
+
+def _environment_class(jinja2: types.ModuleType) -> Any:
+    """transformers' `ImmutableSandboxedEnvironment`, answering the same thing faster.
+
+    - `is_safe_attribute` of an object whose exact type is a builtin (`_PLAIN_TYPES`), jinja2's
+      loop object or the template's namespace class is remembered per (type, name): jinja2's
+      answer reads only `isinstance(obj, ...)` checks and the name (its `value` argument is
+      unused), so it is the same for every object of the type.
+    - `getattr(message, "role")` on an exact dict whose type has no such attribute goes straight
+      to the item (jinja2 tries the attribute first, raising and catching AttributeError).
+    Everything else is jinja2's own code.
+    """
+    global _ENV_CLASS
+    if _ENV_CLASS is not None:
+        return _ENV_CLASS
+    import jinja2.runtime
+    import jinja2.sandbox
+
+    dict_attrs = frozenset(dir(dict))
+
+    class Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._safe: dict[tuple[type, str], bool] = {}
+            self.cached_types = _PLAIN_TYPES | {jinja2.runtime.LoopContext}
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            kind = type(obj)
+            if kind not in self.cached_types or type(attr) is not str:
+                return super().is_safe_attribute(obj, attr, value)
+            key = (kind, attr)
+            safe = self._safe.get(key)
+            if safe is None:  # bounded: only names the type has get here (jinja2 looked them up)
+                safe = self._safe[key] = super().is_safe_attribute(obj, attr, value)
+            return safe
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            if type(obj) is dict and type(attribute) is str and attribute not in dict_attrs:
+                try:  # what jinja2 does once getattr(obj, attribute) raised AttributeError
+                    return obj[attribute]
+                except LookupError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    _ENV_CLASS = Environment
+    return Environment
 
 
 def prepare_messages(messages: Messages) -> list[dict]:

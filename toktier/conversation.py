@@ -20,7 +20,10 @@ arrives, and appends the new turn) are cut into separate edits by `toktier.text_
 construction), each repaired in its own window: a rewritten earlier turn costs a repair around the
 rewritten span, never a re-encode.  A conversation with no messages has the empty text (templates
 refuse to render none).  `render_stats` counts windowed and full renders; `incremental=False`
-renders everything on every op.
+renders everything on every op.  Nothing an append does is O(text) in Python: texts are
+`render_window.Rope`s (an edit near the end shares everything before it), the messages' role
+indices are kept for the window's head (found by bisection), and results snapshot the text in
+O(1) (joined on first access of `.text`).
 
 Atomic ops: an op computes every render first, then edits the sessions (one edited in place is
 rebuilt from its old text if a later step fails: a text segment's IDs are the reference encoding
@@ -97,6 +100,7 @@ only edit the tail segment: earlier segments are frozen (they are what the model
 
 from __future__ import annotations
 
+import bisect
 import copy
 import enum
 import functools
@@ -113,7 +117,7 @@ from .chat import ChatTemplate
 from .errors import InvalidChatInput, InvalidConversationOp, InvalidTokenIds, JunctionUnavailable
 from .junctions import Junction, derive_junction, new_marker
 from .message_match import check_mode, common_prefix
-from .render_window import Appended, Locality
+from .render_window import Appended, Locality, Rope
 from .session import OpResult, RepairPath, Session
 from .text_diff import edit_script, match_forward
 
@@ -147,14 +151,14 @@ class ConversationResult:
     repair: RepairPath  # how the live text segment's session (for append_generated: the prompt's) got its IDs
     branched_at: int | None = None  # message index where a re-sent history diverged from the stored one
     dropped_runs: int = 0  # pinned runs given up (the history changed at or before them)
-    _parts: tuple[str, ...] = field(default=(), repr=False)
+    _parts: tuple[Rope, ...] = field(default=(), repr=False)
     drift_tracked: bool = True  # False: the conversation does not track drift (`drift` is None, not computed)
     windowed: bool = False  # the new text was rendered from a window of the messages (`toktier.render_window`)
 
     @functools.cached_property
     def text(self) -> str:
         """The conversation's text after the op (joined on first access)."""
-        return "".join(self._parts)
+        return "".join(map(str, self._parts))
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,7 +186,7 @@ class _Text:
     """A planned new text for one session: `edit` = (start, replacement of old[start:]) when it
     came from a window, else None (the session is synced to `text`, diffed)."""
 
-    text: str
+    text: Rope
     end: int | None  # its length without the generation prompt, when known
     edit: tuple[int, str] | None = None
     windowed: bool = False  # rendered through a window (`toktier.render_window`)
@@ -221,12 +225,15 @@ class Conversation:
         # A private copy: a caller changing its tools list later must not change renders mid-conversation.
         self.render_kwargs: Mapping[str, Any] = types.MappingProxyType(copy.deepcopy(render_kwargs))
         self.render_stats = RenderStats()
+        # Tools, documents and keywords prepared for the template once, not on every render.
+        self._bound = self.template.bind(**self.render_kwargs)
         self._stop_texts = tuple(stop_texts)
         self._full_path = full_path
         self._fast_path = True
         self._junction: Junction | None = None
         self._locality: Locality | None = None
         self._memo = render_window.Memo()
+        self._scheme = 0  # the head scheme of the last windowed append (`render_window.window`)
         # The messages as rendered (plain dicts, never mutated), the same with every pinned run's
         # message replaced by its marker (what the text segments are cut from), and read-only views
         # for callers (frozen once, when a message is stored).
@@ -234,24 +241,28 @@ class Conversation:
         self._marked: list[dict] = []
         self._views: list[Mapping[str, Any]] = []
         self._views_tuple: tuple[Mapping[str, Any], ...] | None = ()
+        # role -> ascending indices of its messages (windows find their head messages by bisection)
+        self._roles: dict[str, list[int]] = {}
         self._runs: list[GeneratedRun] = []
         # Frozen text segment i (X_i) precedes run i: its text, its session (shared by forks, never
         # mutated: forked before it becomes live again) and where its tokens start; characters of
         # the text up to the end of run i.
-        self._seg_texts: list[str] = []
+        self._seg_texts: list[Rope] = []
         self._seg_sessions: list[Session] = []
         self._seg_starts: list[int] = []
         self._run_starts: list[int] = []
         self._run_chars: list[int] = []
         self._tail = self._session("")
-        self._tail_text = ""
+        self._tail_text = _EMPTY  # texts are `Rope`s: an op near the end never copies the whole text
+        # X_0 + dec(S_1') + ... + dec(S_r'): the text before the tail (results snapshot it in O(1)).
+        self._prefix = _EMPTY
         self._tail_end: int | None = 0  # the tail's length without the generation prompt (None: unknown)
         # With runs: every segment's and run's IDs concatenated (the tail's are kept current from
         # its first changed token on); without runs the tail session's IDs are the IDs.
         self._all: GrowableU32 | None = None
         # With runs (and track_drift): a session over the exact full render of the real messages.
         self._shadow: Session | None = None
-        self._shadow_text = ""
+        self._shadow_text = _EMPTY
         self._shadow_end: int | None = 0
         self._equal_upto = 0  # ids[:k] == shadow ids[:k] is known
 
@@ -280,7 +291,7 @@ class Conversation:
     @property
     def text(self) -> str:
         """The conversation's text (joined on every access: prefer `num_chars` for its length)."""
-        return "".join(self._parts())
+        return "".join(map(str, self._parts()))
 
     @property
     def messages(self) -> tuple[Mapping[str, Any], ...]:
@@ -393,7 +404,7 @@ class Conversation:
         messages, marked, runs = [*self._messages, recorded], [*self._marked, marker], [*self._runs, run]
         # 1. Every render and marker search (may raise: nothing has changed yet).
         # The prompt: the live tail already is it when the conversation renders the generation prompt.
-        prompt = self._tail_text if gp else self._tail_of(self._marked, self._runs, True)
+        prompt = self._tail_text if gp else Rope.of(self._tail_of(self._marked, self._runs, True))
         tail = self._after_run(marked, run)
         shadow = None
         if self.track_drift:
@@ -403,7 +414,7 @@ class Conversation:
                 shadow = self._plan(self._messages, [recorded], self._shadow_text, self._shadow_end, None, messages)
 
         # 2. Sessions (in place ones are rebuilt from their old text if a step fails).
-        undo: list[tuple[str, str]] = [("_tail", self._tail_text)]
+        undo: list[tuple[str, Rope]] = [("_tail", self._tail_text)]
         try:
             new_shadow = self._shadow
             if shadow is not None and new_shadow is None:
@@ -413,8 +424,8 @@ class Conversation:
             if prompt is self._tail_text:  # the live tail is the prompt already: no O(text) comparison
                 res = OpResult(self._tail.ids, self._tail.num_tokens, RepairPath.NOOP)
             else:
-                res = self._tail.sync(prompt)
-            new_tail = self._session(tail.text)
+                res = self._tail.sync(str(prompt))
+            new_tail = self._session(str(tail.text))
             if shadow is not None:
                 assert new_shadow is not None
                 if new_shadow is self._shadow:
@@ -422,7 +433,7 @@ class Conversation:
                 shadow_changed, shadow_repair = self._edit(new_shadow, self._shadow_text, shadow)
         except BaseException:
             if self._shadow is None:
-                self._shadow_text = ""
+                self._shadow_text = _EMPTY
             self._undo(undo)
             raise
 
@@ -435,6 +446,7 @@ class Conversation:
         else:
             self._all.replace(first, self._all.n, self._tail.ids[res.first_changed:])
         self._seg_texts.append(prompt)
+        self._prefix = self._prefix.replace_from(len(self._prefix), str(prompt) + run.text)
         self._seg_sessions.append(self._tail)
         self._seg_starts.append(base)
         self._run_starts.append(self._all.n)
@@ -461,13 +473,16 @@ class Conversation:
         new.render_stats = RenderStats()
         new._stop_texts, new._full_path, new._junction = self._stop_texts, self._full_path, self._junction
         new._fast_path, new._locality, new._memo = self._fast_path, self._locality, render_window.Memo()
+        new._scheme = self._scheme
         # Stored dicts and views are never mutated in place: the lists are copied, not the messages.
         new._messages, new._marked, new._views = list(self._messages), list(self._marked), list(self._views)
         new._views_tuple = self._views_tuple
+        new._roles = {role: list(where) for role, where in self._roles.items()}
         new._runs = list(self._runs)
         new._seg_texts, new._seg_sessions = list(self._seg_texts), list(self._seg_sessions)
         new._seg_starts, new._run_starts = list(self._seg_starts), list(self._run_starts)
         new._run_chars = list(self._run_chars)
+        new._bound, new._prefix = self._bound, self._prefix
         new._tail, new._tail_text, new._tail_end = self._tail.fork(), self._tail_text, self._tail_end
         new._all = None
         if self._all is not None:
@@ -486,7 +501,7 @@ class Conversation:
         Three phases, so that an op either happens whole or not at all: every render (nothing
         changes), the session edits (a session edited in place is rebuilt from its old text if any
         step fails), then the commit of the new state (nothing there can fail)."""
-        keep = sum(1 for run in self._runs if run.message_index < d)
+        keep = bisect.bisect_left(self._runs, d, key=lambda run: run.message_index)  # runs are in message order
         runs = self._runs[:keep]
         dropped = len(self._runs) - keep
         marked = [*self._marked[:d], *merged[d:]]
@@ -505,7 +520,7 @@ class Conversation:
             shadow = self._plan(self._messages, added, self._shadow_text, self._shadow_end, None, merged)
 
         # 2. Sessions.
-        undo: list[tuple[str, str]] = []
+        undo: list[tuple[str, Rope]] = []
         try:
             if dropped:  # the segment before the first dropped run is live again
                 session = self._seg_sessions[keep].fork()
@@ -530,9 +545,12 @@ class Conversation:
                 self._all.n = floor
             del self._seg_texts[keep:], self._seg_sessions[keep:], self._seg_starts[keep:], self._run_starts[keep:]
             del self._run_chars[keep:]
+            self._prefix = self._prefix.replace_from(self._run_chars[-1] if self._run_chars else 0, "")
             self._runs = runs
-        grew = tail.text.startswith(old_text) if tail.edit is None else tail.edit[1].startswith(
-            old_text[tail.edit[0]:])
+        if tail.edit is None:
+            grew = str(tail.text).startswith(str(old_text))
+        else:
+            grew = tail.edit[1].startswith(old_text.slice(tail.edit[0], len(old_text)))
         self._tail, self._tail_text, self._tail_end = session, tail.text, tail.end
         self._set_messages(merged, marked, d)
         base = self._tail_base()
@@ -540,7 +558,7 @@ class Conversation:
         if floor is not None:
             first = min(first, floor)
         if not keep:  # text-only again: the tail is the exact full render
-            self._all, self._shadow, self._shadow_text, self._shadow_end = None, None, "", 0
+            self._all, self._shadow, self._shadow_text, self._shadow_end = None, None, _EMPTY, 0
         else:
             assert self._all is not None
             self._all.replace(base + changed, self._all.n, self._tail.ids[changed:])
@@ -559,7 +577,7 @@ class Conversation:
             path = ConversationPath.APPEND if grew else ConversationPath.EDIT
         return self._result(first, d, path, repair, branched_at, dropped, windowed=tail.windowed)
 
-    def _plan(self, old: list[dict], added: list[dict] | None, stored: str, end: int | None,
+    def _plan(self, old: list[dict], added: list[dict] | None, stored: Rope, end: int | None,
               cut: Callable[[str], int | None] | None, new: list[dict],
               runs: list[GeneratedRun] | None = None) -> _Text:
         """The new text of one session (the live tail when `runs` is given, else the drift
@@ -568,18 +586,26 @@ class Conversation:
         got = self._windowed(old, added, stored, end, cut)
         if got is not None:
             self.render_stats.windowed += 1
-            return _Text(stored[:got.start] + got.text, got.end, (got.start, got.text), True)
+            return _Text(stored.replace_from(got.start, got.text), got.end, (got.start, got.text), True)
         self.render_stats.full += 1
         gp = self.add_generation_prompt
         text = self._tail_of(new, runs, gp) if runs is not None else self._render(new, gp)
-        return _Text(text, None if gp else len(text))
+        return _Text(Rope.of(text), None if gp else len(text))
 
-    def _windowed(self, old: list[dict], added: list[dict] | None, stored: str, end: int | None,
+    def _windowed(self, old: list[dict], added: list[dict] | None, stored: Rope, end: int | None,
                   cut: Callable[[str], int | None] | None) -> Appended | None:
-        if not (self.incremental and added and old) or not self.locality.allows(added):
+        if not (self.incremental and added and old):
             return None
         gp = self.add_generation_prompt
-        return render_window.append(self._render, old, added, stored, end, gp, gp, cut, self._memo)
+        # The scheme that served last first: a template whose state only the state head fixes
+        # (DeepSeek V3) then does not fail the plain head's checks on every op.
+        for scheme in self.locality.schemes_for(added, self._scheme):
+            got = render_window.append(self._render, old, added, stored, end, gp, gp, cut, self._memo, self._roles,
+                                       scheme)
+            if got is not None:
+                self._scheme = scheme
+                return got
+        return None
 
     def _after_run(self, marked: list[dict], run: GeneratedRun) -> _Text:
         """The tail after pinning `run` (the last of `marked`, a marker message): through a
@@ -591,32 +617,36 @@ class Conversation:
             at = self._cut(run)(got.text)
             if at is not None and got.end - got.start - at >= 0:
                 self.render_stats.windowed += 1
-                return _Text(got.text[at:], got.end - got.start - at, None, True)
+                return _Text(Rope.of(got.text[at:]), got.end - got.start - at, None, True)
         self.render_stats.full += 1
         text = self._tail_of(marked, [*self._runs, run], gp)
-        return _Text(text, None if gp else len(text))
+        return _Text(Rope.of(text), None if gp else len(text))
 
-    def _edit(self, session: Session, old: str, new: _Text) -> tuple[int, RepairPath]:
+    def _edit(self, session: Session, old: Rope, new: _Text) -> tuple[int, RepairPath]:
         """Make `session`'s text (`old`) `new.text`: the windowed edit as one `Session.edit` near the
         end (no whole-text comparison), else `_sync`."""
         if new.edit is None:
-            return _sync(session, old, new.text)
+            return _sync(session, str(old), str(new.text))
         start, text = new.edit
-        same = _common_prefix(old, start, text)  # the old generation prompt usually starts the new text
+        same = _common_prefix(old.slice(start, len(old)), 0, text)  # the old generation prompt usually starts it
         res = session.edit(start + same, len(old), text[same:])
         return res.first_changed, res.path
 
-    def _undo(self, undo: list[tuple[str, str]]) -> None:
+    def _undo(self, undo: list[tuple[str, Rope]]) -> None:
         # A session that raised mid-edit may hold a half-made state: rebuild it from its old text
         # (a text segment's IDs are the reference encoding of its text by definition).
         for attr, text in undo:
-            setattr(self, attr, self._session(text))
+            setattr(self, attr, self._session(str(text)))
 
     def _set_messages(self, messages: list[dict], marked: list[dict], d: int) -> None:
         """Store `messages` (the first `d` are the stored ones) and their marked twins and views."""
         del self._views[d:]
         self._views += [_frozen(m) for m in messages[d:]]
         self._views_tuple = None
+        for where in self._roles.values():
+            del where[bisect.bisect_left(where, d):]
+        for i in range(d, len(messages)):
+            self._roles.setdefault(str(messages[i].get("role")), []).append(i)
         self._messages, self._marked = messages, marked
 
     def _result(self, first: int, message: int, path: ConversationPath, repair: RepairPath,
@@ -624,12 +654,9 @@ class Conversation:
         return ConversationResult(self.ids, first, message, self._drift(), path, repair, branched_at, dropped,
                                   self._parts(), drift_tracked=self.track_drift, windowed=windowed)
 
-    def _parts(self) -> tuple[str, ...]:
-        parts: list[str] = []
-        for seg, run in zip(self._seg_texts, self._runs):
-            parts += (seg, run.text)
-        parts.append(self._tail_text)
-        return tuple(parts)
+    def _parts(self) -> tuple[Rope, ...]:
+        # O(1): both ropes are immutable, so a result keeps the text of its op.
+        return (self._prefix, self._tail_text) if self._runs else (self._tail_text,)
 
     def _tail_base(self) -> int:
         if not self._runs:
@@ -644,8 +671,7 @@ class Conversation:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if not messages:
             return ""
-        return self.template.render_prepared(messages, add_generation_prompt=add_generation_prompt,
-                                             **self.render_kwargs)
+        return self._bound(messages, add_generation_prompt)
 
     def _tail_of(self, marked: list[dict], runs: list[GeneratedRun], add_generation_prompt: bool) -> str:
         """The text after the last run (the whole render without runs), per the TITO definition;
@@ -694,6 +720,9 @@ class Conversation:
         at = _first_mismatch(a, b, min(self._equal_upto, len(a), len(b)))
         self._equal_upto = min(len(a), len(b)) if at is None else at
         return at
+
+
+_EMPTY = Rope.of("")
 
 
 def _sync(session: Session, old: str, new: str) -> tuple[int, RepairPath]:

@@ -17,7 +17,15 @@ last user message before c and, when that one wraps a tool response, the query b
 (templates key on the first message: system prompt, BOS; and on the last query: Qwen3's think
 blocks).  A conversation too short for that is its own window (then every render below is the
 exact render).  Let H = render(head), A = render(window), B = render(window + [m], gp),
-C = render(window + [m]).
+C = render(window + [m]).  Several messages appended in one op keep the first one's window,
+grown by the messages before them (each step's A is then the previous step's render).
+
+Head schemes.  Scheme 0 is the head above.  Scheme 1, the *state head*, adds the latest message
+of every role before c (DeepSeek V3 carries state across the whole conversation: only the first
+tool output ever opens the outputs block, so a window needs an earlier tool output in its head);
+its head may end with text the template emits only at the end of a conversation (DeepSeek
+closing the outputs block), so the anchor is where A and H part rather than len(H).  The probe
+decides per kind and scheme; a conversation uses the scheme that served last first.
 
 Checks, all at run time (any failure: None):
 
@@ -42,12 +50,16 @@ per template, render arguments, generation-prompt setting and message *kind* (ro
 tool calls), on first use of each kind: representatives of the kind are appended at every split
 of probe conversations (tool turns, think blocks in both spellings, late system messages, empty
 contents, user turns wrapping tool responses, new queries after long tool chains), windowed and
-full, and again right after a marker; the kind is local when a windowed result (a window smaller than the
+full, second in a two-message append, and again right after a marker; the kind is local when a
+windowed result (a window smaller than the
 history: a whole-history window is exact by construction and proves nothing) passed the checks
 at least once and was exact every time one did.  It is a check over those probes, not a
 proof: a template whose far-context dependence none of them exercises would be misjudged, which
 is why `Conversation(incremental=False)` exists.  Verdicts are kept in a small LRU keyed by the
 template source, its special tokens, the render arguments and the setting.
+
+Texts are `Rope`s (persistent piece chains): an append near the end of a 2M-character text
+copies only the few pieces it reads, never the whole text.
 
 >>> from toktier.chat import ChatTemplate
 >>> t = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
@@ -65,11 +77,12 @@ template source, its special tokens, the render arguments and the setting.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,31 +119,67 @@ def kind(message: Mapping[str, Any]) -> Kind:
     return str(message.get("role")), bool(reasoning), bool(message.get("tool_calls"))
 
 
-def window(old: Sequence[dict], wider: int = 0) -> tuple[list[dict], list[dict]]:
+def window(old: Sequence[dict], wider: int = 0, roles: Mapping[str, Sequence[int]] | None = None,
+           scheme: int = 0) -> tuple[list[dict], list[dict]]:
     """(head, window) of `old` (see the module docstring); head is [] when the window is all of it.
 
     The window's start c moves in steps of STEP, so consecutive appends share it and a render
     of one op (the window plus its new message) is the next op's window render (`Memo`);
     `wider` moves it that many messages back (a window must not start inside a group the
-    template renders as one, such as Qwen3's consecutive tool turns)."""
+    template renders as one, such as Qwen3's consecutive tool turns).  `roles`: role -> the
+    ascending indices of old's messages with it, when the caller keeps them (else old is scanned
+    back, possibly to its start).
+
+    `scheme` 1 (the *state head*) adds to the head the latest message of every role before c,
+    in order: for templates that carry state across the conversation in a way one message of a
+    role settles (DeepSeek V3 opens only the conversation's first tool output with a begin tag:
+    with an earlier tool output in the head, the window renders later ones as the full render
+    does).  The probe decides per kind and scheme whether that is enough (`Locality`)."""
     n = len(old)
     c = n - WINDOW - (n - WINDOW) % STEP - wider
     if c <= 1:
         return [], list(old)
     head = [old[0]]
+    picked = [0]
     last_user = None
-    for u in range(c - 1, 0, -1):
-        if old[u].get("role") != "user":
-            continue
+    if roles is None:
+        candidates: Iterable[int] = (u for u in range(c - 1, 0, -1) if old[u].get("role") == "user")
+    else:
+        users = roles.get("user", ())
+        k = bisect.bisect_left(users, c)
+        candidates = (users[i] for i in range(k - 1, -1, -1) if users[i] > 0)
+    for u in candidates:
         if last_user is None:
             last_user = u
         if not _wraps_tool_response(old[u].get("content")):
             if u != last_user:
                 head.append(old[u])
+                picked.append(u)
             break
     if last_user is not None:
         head.append(old[last_user])
+        picked.append(last_user)
+    if scheme == 1:
+        extra = set(_latest_per_role(old, c, roles).values()) - set(picked)
+        if extra:
+            order = sorted({*picked, *extra})
+            head = [old[i] for i in order]
     return head, [*head, *old[c:]]
+
+
+def _latest_per_role(old: Sequence[dict], c: int, roles: Mapping[str, Sequence[int]] | None) -> dict[str, int]:
+    """role -> the index of its latest message in old[1:c] (old[0] is always in the head)."""
+    if roles is not None:
+        out = {}
+        for role, where in roles.items():
+            k = bisect.bisect_left(where, c)
+            if k and where[k - 1] > 0:
+                out[role] = where[k - 1]
+        return out
+    out = {}
+    for i in range(c - 1, 0, -1):
+        out.setdefault(str(old[i].get("role")), i)
+    return out
 
 
 class Memo:
@@ -159,12 +208,94 @@ def _wraps_tool_response(content: Any) -> bool:
     return isinstance(content, str) and content.startswith("<tool_response>") and content.endswith("</tool_response>")
 
 
+class Rope:
+    """An immutable text kept as a chain of pieces, so that replacing its end does not copy it.
+
+    A conversation's text grows by a few thousand characters per op and is edited near its end;
+    building each new text as one `str` would copy all of it on every op (a 2M-character text
+    costs milliseconds to copy and page in).  A `Rope` is persistent: `replace_from` returns a new
+    rope that shares every piece before the edit; reads near the end (`slice`, `endswith`) walk
+    only the last pieces.  `str(rope)` joins once (the result is kept).
+
+    >>> r = Rope.of("hello world").replace_from(6, "there").replace_from(11, "!")
+    >>> str(r), len(r), r.slice(4, 8), r.endswith("re!")
+    ('hello there!', 12, 'o th', True)
+    """
+
+    __slots__ = ("_prev", "_base", "_lo", "_hi", "_len", "_joined")
+
+    def __init__(self, prev: Rope | None, base: str, lo: int, hi: int) -> None:
+        self._prev, self._base, self._lo, self._hi = prev, base, lo, hi
+        self._len = (prev._len if prev is not None else 0) + hi - lo
+        self._joined: str | None = base if prev is None and lo == 0 and hi == len(base) else None
+
+    @classmethod
+    def of(cls, text: str | Rope) -> Rope:
+        return text if isinstance(text, Rope) else cls(None, text, 0, len(text))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        if self._joined is None:
+            pieces, node = [], self
+            while node is not None and node._joined is None:
+                pieces.append(node._base[node._lo:node._hi])
+                node = node._prev
+            if node is not None:
+                pieces.append(node._joined)
+            joined = "".join(reversed(pieces))
+            # One piece from now on: the text is kept once (ropes derived from this one share it,
+            # and the older pieces go when nothing else holds them).
+            self._prev, self._base, self._lo, self._hi, self._joined = None, joined, 0, len(joined), joined
+        return self._joined
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Rope, str)):
+            return len(self) == len(other) and str(self) == str(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def slice(self, a: int, b: int) -> str:
+        """self[a:b] for 0 <= a <= b <= len (cost: the pieces from `a` to the end)."""
+        if self._joined is not None:
+            return self._joined[a:b]
+        pieces, node, end = [], self, self._len
+        while node is not None and end > a:
+            start = end - (node._hi - node._lo)
+            if node._joined is not None:
+                pieces.append(node._joined[max(a, 0):min(b, end)])
+                break
+            if start < b:
+                lo, hi = node._lo + max(a - start, 0), node._lo + min(b, end) - start
+                pieces.append(node._base[lo:hi])
+            node, end = node._prev, start
+        return "".join(reversed(pieces))
+
+    def endswith(self, suffix: str) -> bool:
+        n = len(self)
+        return len(suffix) <= n and self.slice(n - len(suffix), n) == suffix
+
+    def replace_from(self, start: int, text: str) -> Rope:
+        """self[:start] + text, sharing the pieces before `start`."""
+        node, end = self, self._len
+        while node is not None and end - (node._hi - node._lo) >= start and end > 0:
+            end -= node._hi - node._lo  # this whole piece lies at or after `start`
+            node = node._prev
+        if node is not None and end > start:  # `start` falls inside this piece: keep its head
+            node = Rope(node._prev, node._base, node._lo, node._hi - (end - start))
+        if not text:
+            return node if node is not None else Rope(None, "", 0, 0)
+        return Rope(node, text, 0, len(text))
+
+
 class _Stored:
-    """base[:start] + extra, read near its end without joining it (a long text plus a few appends)."""
+    """A rope being appended to: base[:start] + extra, read near its end."""
 
     __slots__ = ("base", "start", "extra")
 
-    def __init__(self, base: str, start: int, extra: str) -> None:
+    def __init__(self, base: Rope, start: int, extra: str) -> None:
         self.base, self.start, self.extra = base, start, extra
 
     def __len__(self) -> int:
@@ -174,17 +305,18 @@ class _Stored:
         if a >= self.start:
             return self.extra[a - self.start:b - self.start]
         if b <= self.start:
-            return self.base[a:b]
-        return self.base[a:self.start] + self.extra[:b - self.start]
+            return self.base.slice(a, b)
+        return self.base.slice(a, self.start) + self.extra[:b - self.start]
 
     def endswith(self, s: str) -> bool:
         n = len(self)
         return len(s) <= n and self.slice(n - len(s), n) == s
 
 
-def append(render: Render, old: Sequence[dict], new: Sequence[dict], stored: str, L: int | None,
+def append(render: Render, old: Sequence[dict], new: Sequence[dict], stored: str | Rope, L: int | None,
            stored_gp: bool, gp: bool, cut: Callable[[str], int | None] | None = None,
-           memo: Memo | None = None) -> Appended | None:
+           memo: Memo | None = None, roles: Mapping[str, Sequence[int]] | None = None,
+           scheme: int = 0) -> Appended | None:
     """The windowed append of `new` to `old`, one message at a time (module docstring), or None
     when a check fails.
 
@@ -193,33 +325,42 @@ def append(render: Render, old: Sequence[dict], new: Sequence[dict], stored: str
     the stored text starts inside a render of the window (right after a pinned run's marker), or
     None; absent, the stored text is the whole render.  Each message is appended to the result of
     the previous one (the checks run at every step), so a message is rendered through the window
-    only as the last one, as the locality probe tried it.
+    only as the last one, as the locality probe tried it.  The window found for the first message
+    is kept for the next ones (it grows by the messages appended before them): a step's window
+    render is then the previous step's render (`Memo`), and a window only ever holds more context
+    than `window` gives.  `roles`, `scheme`: see `window`.
     """
     if not old or not new:
         return None
     if memo is not None:
         plain = render
         render = lambda messages, agp: memo.render(plain, messages, agp)  # noqa: E731
-    text = _Stored(stored, len(stored), "")
+    text = _Stored(Rope.of(stored), len(stored), "")
     messages = list(old)
     windowed = False
+    fixed: tuple[list[dict], list[dict]] | None = None
     for i, message in enumerate(new):
         # Only the last step renders the generation prompt (one render fewer per earlier message).
         step_gp = gp if i == len(new) - 1 else False
-        step = _append_one(render, messages, message, text, L, stored_gp, step_gp, cut)
+        step = _append_one(render, messages, message, text, L, stored_gp, step_gp, cut, fixed, roles, scheme)
         if step is None:
             return None
-        L, partial = step
+        L, partial, fixed = step
         windowed = windowed or partial
         stored_gp = step_gp
         messages.append(message)
-    return Appended(min(text.start, len(stored)), text.slice(min(text.start, len(stored)), len(text)), L, windowed)
+    at = min(text.start, len(stored))
+    return Appended(at, text.slice(at, len(text)), L, windowed)
 
 
 def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored, L: int | None, stored_gp: bool,
-                gp: bool, cut: Callable[[str], int | None] | None) -> tuple[int, bool] | None:
+                gp: bool, cut: Callable[[str], int | None] | None,
+                fixed: tuple[list[dict], list[dict]] | None = None,
+                roles: Mapping[str, Sequence[int]] | None = None, scheme: int = 0,
+                ) -> tuple[int, bool, tuple[list[dict], list[dict]]] | None:
     """One windowed append; on success `stored` holds the new text, and (the new L, whether the
-    window was less than the whole history) is returned.
+    window was less than the whole history, the (head, window) the next message may use) is
+    returned.  `fixed`: the (head, window) to use (the previous step's, grown), else `window`'s.
 
     Renders are compared from an anchor on: the end of the head's text, or, when the window
     reaches back over a pinned run's marker, the point right after the marker (what precedes it
@@ -228,13 +369,20 @@ def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored,
     renders an empty think block before a *last* assistant turn only): the stored text is edited
     from the first difference."""
     try:
-        for wider in range(WIDER):  # the boundary disagrees: one message further back, twice at most
-            head, ctx = window(old, wider)
+        # The boundary disagrees: one message further back, twice at most.
+        windows = [fixed] if fixed is not None else (window(old, wider, roles, scheme) for wider in range(WIDER))
+        for head, ctx in windows:
             A = render(ctx, False)
             H = render(head, False) if head else ""
-            if not A.startswith(H):
+            # The window's own text starts where A and H part (H may end with what the template
+            # emits only at the end of a conversation, e.g. DeepSeek closing its tool outputs).
+            if A.startswith(H):
+                h = len(H)
+            elif scheme == 1:
+                h = match_forward(A, 0, H, 0, min(len(A), len(H)))
+            else:
                 continue
-            own = A[len(H):]
+            own = A[h:]
             if L is None:
                 G = ""
                 if stored_gp:
@@ -251,7 +399,7 @@ def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored,
             if not crossing:
                 if len(own) > L or (not head and len(own) != L) or stored.slice(L - len(own), L) != own:
                     continue
-                a: int | None = len(H)
+                a: int | None = h
             else:  # compare what follows the run's marker
                 a = cut(A) if cut is not None else None
                 if a is None or len(A) - a != L or A[a:] != stored.slice(0, L):
@@ -261,14 +409,14 @@ def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored,
             return None
         base = L - (len(A) - a)  # where A[a:] starts in the stored text
         B = render([*ctx, message], gp)
-        b = _anchor(B, H, crossing, cut)
+        b = _anchor(B, A[:h], crossing, cut)
         if b is None:
             return None
         Ax, Bx = A[a:], B[b:]
         end = base + len(Bx)
         if gp:
             C = render([*ctx, message], False)
-            c = _anchor(C, H, crossing, cut)
+            c = _anchor(C, A[:h], crossing, cut)
             if c is None or not Bx.startswith(C[c:]):
                 return None
             end = base + len(C) - c
@@ -281,11 +429,14 @@ def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored,
         stored.extra = stored.extra[:at - stored.start] + Bx[q:]
     else:
         stored.start, stored.extra = at, Bx[q:]
-    return end, bool(head)
+    # Windowed only when the window left messages out (a window holding them all renders exactly).
+    return end, len(ctx) < len(old), (head, [*ctx, message])
 
 
 def _anchor(text: str, H: str, crossing: bool, cut: Callable[[str], int | None] | None) -> int | None:
-    """Where `text` (a render of the window plus the new message) is compared from."""
+    """Where `text` (a render of the window plus the new message) is compared from: after `H`,
+    the head's text as the window render has it (which `text` must start with), or after the
+    marker."""
     if not crossing:
         return len(H) if text.startswith(H) else None
     assert cut is not None
@@ -342,47 +493,71 @@ def _probes() -> tuple[list[tuple[list[dict], int]], list[dict]]:
     return conversations, catalog
 
 
+#: Head schemes (`window`): the plain head, then the state head.
+SCHEMES = (0, 1)
+
+
 class Locality:
     """The probe's verdicts for one template, render arguments and generation-prompt setting,
-    filled in per message kind on first use (thread-safe)."""
+    filled in per message kind and head scheme on first use (thread-safe)."""
 
     def __init__(self, template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> None:
         self.template, self.render_kwargs, self.gp = template, dict(render_kwargs), gp
-        self._verdicts: dict[Kind, bool] = {}
+        self._verdicts: dict[tuple[Kind, int], bool] = {}
         self._lock = threading.Lock()
         self.probes = 0  # windowed appends tried so far
 
     @property
     def local(self) -> frozenset[Kind]:
-        return frozenset(k for k, ok in self._verdicts.items() if ok)
+        """Kinds that append through a window under some head scheme (of those decided)."""
+        return frozenset(k for (k, _), ok in self._verdicts.items() if ok)
 
     @property
     def nonlocal_(self) -> frozenset[Kind]:
-        return frozenset(k for k, ok in self._verdicts.items() if not ok)
+        """Kinds decided under every head scheme and local under none."""
+        decided = {k for k, _ in self._verdicts}
+        return frozenset(k for k in decided if all(self._verdicts.get((k, s)) is False for s in SCHEMES))
 
     def allows(self, messages: Sequence[Mapping[str, Any]]) -> bool:
         """Whether every message's kind appends exactly through the window (probing new kinds)."""
-        return all(self.verdict(kind(m)) for m in messages)
+        return self.scheme_for(messages) is not None
 
-    def verdict(self, k: Kind) -> bool:
-        ok = self._verdicts.get(k)
+    def scheme_for(self, messages: Sequence[Mapping[str, Any]]) -> int | None:
+        """The first head scheme under which every message's kind is local (one scheme serves a
+        whole append), or None."""
+        return next(self.schemes_for(messages), None)
+
+    def schemes_for(self, messages: Sequence[Mapping[str, Any]], prefer: int = 0) -> Iterator[int]:
+        """The head schemes under which every message's kind is local, `prefer` first; lazily:
+        a scheme is probed only when the caller asks for the next one (the state head only once
+        the plain one did not serve)."""
+        kinds = list(dict.fromkeys(kind(m) for m in messages))
+        for scheme in sorted(SCHEMES, key=lambda s: s != prefer):
+            # Kinds already known to fail first: a scheme that cannot serve is rejected unprobed.
+            kinds.sort(key=lambda k: self._verdicts.get((k, scheme)) is not False)
+            if all(self.verdict(k, scheme) for k in kinds):
+                yield scheme
+
+    def verdict(self, k: Kind, scheme: int = 0) -> bool:
+        ok = self._verdicts.get((k, scheme))
         if ok is None:
             with self._lock:
-                ok = self._verdicts.get(k)
+                ok = self._verdicts.get((k, scheme))
                 if ok is None:
-                    ok = self._verdicts[k] = self._probe(k)
+                    ok = self._verdicts[(k, scheme)] = self._probe(k, scheme)
         return ok
 
     def probe_all(self) -> "Locality":
         for k in {kind(m) for m in _probes()[1]}:
-            self.verdict(k)
+            for scheme in SCHEMES:
+                self.verdict(k, scheme)
         return self
 
-    def _probe(self, k: Kind) -> bool:
-        """Every representative of kind `k` appended at every split of every probe conversation:
-        True when it passed the checks at least once and was exact every time it did."""
-        def plain(messages: list[dict], agp: bool) -> str:
-            return self.template.render_prepared(messages, add_generation_prompt=agp, **self.render_kwargs)
+    def _probe(self, k: Kind, scheme: int = 0) -> bool:
+        """Every representative of kind `k` appended at every split of every probe conversation
+        (windows of head `scheme`): True when it passed the checks at least once and was exact
+        every time it did."""
+        plain = self.template.bind(**self.render_kwargs)
 
         memo = Memo(512)  # windows repeat across splits, representatives and both L variants
 
@@ -396,7 +571,7 @@ class Locality:
             # Windows smaller than the history only: a window that is all of it renders exactly.
             for j in range(first, len(probe) + 1):
                 old = probe[:j]
-                if not window(old)[0]:
+                if not window(old, 0, None, scheme)[0]:
                     continue
                 try:
                     stored = render(old, gp)
@@ -410,18 +585,37 @@ class Locality:
                     except (ChatTemplateError, InvalidChatInput):
                         continue
                     for L in (None, known):
-                        got = append(render, old, [message], stored, L, gp, gp)
+                        got = append(render, old, [message], stored, L, gp, gp, scheme=scheme)
                         if got is None or not got.windowed:  # a whole-history window proves nothing
                             continue
                         self.probes += 1
                         seen = True
                         if stored[:got.start] + got.text != full or got.end != full_end:
                             return False
-                    if kind(old[-1]) == ("assistant", False, False) and not self._after_marker(render, old, message):
+                    # The same message second in one append: its window is the first one's, grown
+                    # by the message before it (`append` keeps a batch's window).  Tried where that
+                    # first message alone appends exactly through its window (else its own kind,
+                    # not this one, decides).
+                    if j >= first + 1 and window(probe[:j - 1], 0, None, scheme)[0]:
+                        try:
+                            before = render(probe[:j - 1], gp)
+                        except (ChatTemplateError, InvalidChatInput):
+                            continue
+                        one = append(render, probe[:j - 1], [probe[j - 1]], before, None, gp, gp, scheme=scheme)
+                        if one is None or before[:one.start] + one.text != stored:
+                            continue
+                        got = append(render, probe[:j - 1], [probe[j - 1], message], before, None, gp, gp,
+                                     scheme=scheme)
+                        if got is not None and got.windowed:
+                            self.probes += 1
+                            if before[:got.start] + got.text != full or got.end != full_end:
+                                return False
+                    if kind(old[-1]) == ("assistant", False, False) and \
+                            not self._after_marker(render, old, message, scheme):
                         return False
         return seen
 
-    def _after_marker(self, render: Render, old: list[dict], message: dict) -> bool:
+    def _after_marker(self, render: Render, old: list[dict], message: dict, scheme: int = 0) -> bool:
         """The same append after a pinned run: the last old message is a marker, the stored text
         what follows it; exact after the marker whenever the checks pass (True when they fail)."""
         mark = "TOKTIERPROBEMARKX"
@@ -439,7 +633,7 @@ class Locality:
         if at is None or at_full is None:
             return True
         stored = rendered[at:]
-        got = append(render, old, [message], stored, None, self.gp, self.gp, cut)
+        got = append(render, old, [message], stored, None, self.gp, self.gp, cut, scheme=scheme)
         if got is None or not got.windowed:
             return True
         self.probes += 1
@@ -454,7 +648,7 @@ _LOCK = threading.Lock()
 def locality(template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
     """The (shared, lazily probed) `Locality` of `template` with `render_kwargs` and generation
     prompt `gp`: kept in a small LRU keyed by what the verdicts are a function of."""
-    key = hashlib.sha256(json.dumps([template.source, dict(template.special_tokens), gp, WINDOW,
+    key = hashlib.sha256(json.dumps([template.source, dict(template.special_tokens), gp, WINDOW, STEP, SCHEMES,
                                      dict(render_kwargs)], sort_keys=True, default=repr).encode()).hexdigest()
     with _LOCK:
         hit = _CACHE.get(key)
