@@ -25,9 +25,11 @@ normalizer has confirmed the text).
 whose ``toktier/native`` holds a built extension (e.g. ``git worktree add /tmp/wt HEAD`` and
 ``python setup.py build_ext --inplace`` there).  Both engines get the same tables; their calls
 alternate text by text, and the ``new`` medians of both are printed with their ratio.
+``--scanner-ab`` does the same with a second engine of this build whose block scanner is off
+(`CoreEngine.use_block_scanner`): the block scanner's share of the speed.
 
 Usage: ``python -m bench.engine_speed [--chars 400000] [--kinds english,code,cjk,listing,table]
-[--only llama3] [--ab /tmp/wt]``.
+[--only llama3] [--ab /tmp/wt] [--scanner-ab]``.
 """
 
 from __future__ import annotations
@@ -122,13 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--only", action="append", choices=NAMES)
     ap.add_argument("--ab", metavar="TREE", help="compare with the extension built in TREE (in-process)")
+    ap.add_argument("--scanner-ab", action="store_true",
+                    help="compare this build with itself, its block scanner switched off (in-process)")
     args = ap.parse_args(argv)
     clock = time.thread_time
     other = _load_extension(args.ab) if args.ab else None
-    if other is None:
+    ab = other is not None or args.scanner_ab
+    if not ab:
         print(f"{'tokenizer':<12} {'kind':<8} {'MB':>5} {'new':>11} {'cold':>11} {'warm':>11} {'reference':>11}")
     else:
-        print(f"{'tokenizer':<12} {'kind':<8} {'MB':>5} {'new (' + args.ab + ')':>24} {'new (this)':>12} {'ratio':>6}")
+        label = args.ab if other is not None else "per-character scanner"
+        print(f"{'tokenizer':<12} {'kind':<8} {'MB':>5} {'new (' + label + ')':>24} {'new (this)':>12} {'ratio':>6}")
     bad = 0
     for name in args.only or NAMES:
         tok = toktier.load_tokenizer(name)
@@ -139,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         mods = {"this": tn._core}
         if other is not None:
             cores["other"], mods["other"] = _core_for(tok, other), other
+        elif args.scanner_ab:  # the same tables and code, `Engine::pretok_block` off
+            cores["other"], mods["other"] = _core_for(tok, tn._core), tn._core
+            cores["other"].use_block_scanner(False)
         nfc = bool(tok.family_info.nfc)
         for kind in args.kinds.split(","):
             xs = [make_text(kind, args.chars, i) for i in range(args.texts)]
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                         if st != 0 or not np.array_equal(ids, wants[i]):
                             bad += 1
                             print(f"MISMATCH {name} {kind} text {i} ({k})")
-                if other is None:
+                if not ab:
                     fresh = mods["this"].PieceCacheBox()
                     t0 = clock()
                     st, ids, _ = cores["this"].encode(xs[1], fresh, False, not nfc)
@@ -177,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"MISMATCH {name} {kind} (cold/warm)")
             med = {k: statistics.median(v) for k, v in new.items()}
             mb = statistics.mean(mbs)
-            if other is None:
+            if not ab:
                 print(f"{name:<12} {kind:<8} {mb:>5.2f} {med['this']:>6.1f} MB/s {statistics.median(cold):>6.1f} MB/s "
                       f"{statistics.median(warm):>6.1f} MB/s {statistics.median(ref):>6.1f} MB/s", flush=True)
             else:

@@ -1,8 +1,8 @@
 """Differential campaign of the native engine against the references (issue 14, point 2(d)).
 
 For each bundled tokenizer, generated texts (real corpus slices recombined, adversarial
-atoms, random code points from every plane, the tokenizer's literals) are checked at two
-levels until the targets are reached:
+atoms, random code points from every plane, the tokenizer's literals; every fourth text all
+ASCII, for the block scanner) are checked at two levels until the targets are reached:
 
 * pieces: the native scanner's split of every literal-free segment against the
   reference pre-tokenizer: HF's own ``pre_tokenize_str`` for tokenizer.json files; for
@@ -52,6 +52,33 @@ def _text(rng: random.Random, real: list[str], atoms: list[str], lits: list[str]
             part = "".join(chr(c) for c in cps if not 0xD800 <= c <= 0xDFFF)
         else:
             part = rng.choice(lits) if lits else " "
+        parts.append(part)
+        size += len(part)
+    return "".join(parts)
+
+
+# ASCII atoms for the block scanner (`Engine::pretok_block`): its views end at moving positions,
+# so runs of every class, contractions, digit runs and whitespace tails land on their edges.
+ASCII_ATOMS = ["a", "Z", "word", " word", "  x", "s", "re", "LL", "'", "'s", "'T", "'re", "'VE", "'ll", "'d", "'m",
+               "''", "x's", " 's", "!'s", " ", "  ", "   ", "\t", "\n", "\r\n", "\n\n", " \n ", "\n  ", "\t\n",
+               "\x0b", "\x0c", "1", "12", "123", "1234", "!", "!!", " !", "...", "(", "_", "-", "/", "\x00", "\x7f"]
+
+
+def _ascii_text(rng: random.Random, real: list[str], n_chars: int) -> str:
+    """An all-ASCII text (a 1-byte str): real slices with other characters dropped, atoms, and
+    runs of one atom 50-300 long (longer than a block view)."""
+    parts: list[str] = []
+    size = 0
+    while size < n_chars:
+        kind = rng.random()
+        if kind < 0.5:
+            src = rng.choice(real)
+            a = rng.randrange(max(1, len(src) - 2000))
+            part = "".join(c for c in src[a:a + rng.randint(1, 2000)] if c < "\x80")
+        elif kind < 0.9:
+            part = "".join(rng.choice(ASCII_ATOMS) for _ in range(rng.randint(1, 200)))
+        else:
+            part = rng.choice(ASCII_ATOMS) * rng.randint(50, 300)
         parts.append(part)
         size += len(part)
     return "".join(parts)
@@ -123,7 +150,8 @@ def run_one(name: str, target_pieces: int, target_ids: int, seed: int) -> dict:
     bad: list[str] = []
     t0 = time.time()
     while (n_pieces < target_pieces or n_ids < target_ids) and len(bad) < 5:
-        text = _text(rng, real, atoms, lits, 64_000)
+        # every fourth text all ASCII: what the block scanner serves in long views
+        text = _ascii_text(rng, real, 64_000) if n_texts % 4 == 3 else _text(rng, real, atoms, lits, 64_000)
         if nfc:
             text = tok.engine.normalize(text)
         n_texts += 1

@@ -593,3 +593,107 @@ def test_big_lane_windows_in_chunks_are_exact(name, threads, monkeypatch, tally)
     r = s.edit(a, a + 10, _stable(tok, large_text(30_000, seed=9, kind="mixed")))
     text = s.text
     assert np.array_equal(r.ids, tok.engine.encode(text))
+
+
+# -- the block scanner (`Engine::pretok_block`) -----------------------------------------------
+# It decides up to 128 ASCII characters' piece starts at once from class bitmasks, and only where
+# the probed table gives ASCII the classes its rules assume.  Its edges are where it could go
+# wrong: a run, a contraction or a whitespace tail across the end of a view (which moves with the
+# pieces), a non-ASCII character cutting a view short, a segment's end.  So: texts built from
+# such atoms, shifted against the view edges, checked against the per-character scanner and
+# against the references (HF's pre-tokenizer, the `regex` module, the reference encode).
+
+BLOCK_TOKENIZERS = ("llama3", "cl100k_base", "qwen3")
+BLOCK_RULES = ("cl100k_hf", "cl100k_tt", "qwen")
+BLOCK_ATOMS = ["a", "Z", "word", " word", "  x", "s", "t", "re", "ve", "LL", "d", "M", "'", "'s", "'T", "'re", "'VE",
+               "'ll", "'d", "'m", "''", "x's", " 's", "!'s", " ", "  ", "   ", "\t", "\n", "\r\n", "\n\n", " \n ",
+               "\n  ", "\t\n", "\x0b", "\x0c", "1", "12", "123", "1234", "0", "!", "!!", " !", "...", "(", "_",
+               "-", "/", "\x00", "\x1f", "\x7f", "\u00e9", "\u2019", "\u00a0", "\U0001f600"]
+block_adv = st.builds(lambda pad, parts: "x" * pad + "".join(parts), st.integers(0, 140),
+                      st.lists(st.sampled_from(BLOCK_ATOMS), max_size=200))
+
+
+def _per_character(core, text: str):
+    core.use_block_scanner(False)
+    try:
+        return core.pieces(text)[0]
+    finally:
+        core.use_block_scanner(True)
+
+
+def _edge_texts() -> list[str]:
+    """Runs of each class (and mixes) of lengths around 64, 128 and the 4096-character chunk,
+    shifted by 0-3 characters, ended by each kind of follower."""
+    out = []
+    for run in ("a", "A", " ", "\n", "\r\n", " \n", "1", "!", "'s", "a'", "  a", "\t\n ", "x1", "'ll"):
+        for n in (1, 2, 3, 62, 63, 64, 65, 125, 126, 127, 128, 129, 130, 255, 256, 4094, 4095, 4096, 4097):
+            for shift in ("", "b", " b", "1!\n"):
+                for tail in ("", "y", " y", "1", "\n", " ", "'s", "\u00e9"):
+                    out.append(shift + run * n + tail)
+    return out
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_block_scanner_serves_where_proven(name):
+    on, reason = get_tokenizer(name).native.block_scanner
+    if name in BLOCK_TOKENIZERS:
+        assert on and reason == ""
+    else:  # o200k and DeepSeek rules are not covered: the per-character scanner, with the reason
+        assert not on and "not covered" in reason
+
+
+@pytest.mark.parametrize("name", BLOCK_TOKENIZERS)
+def test_block_scanner_equals_per_character_scanner_at_view_edges(name):
+    core = get_tokenizer(name).native._core
+    for text in _edge_texts():
+        assert np.array_equal(core.pieces(text)[0], _per_character(core, text)), repr(text[:80])
+
+
+@pytest.mark.parametrize("name", BLOCK_TOKENIZERS)
+@SETTINGS
+@given(text=block_adv)
+def test_block_scanner_equals_per_character_scanner_and_hf(name, text, tally):
+    tok = get_tokenizer(name)
+    text = _stable(tok, text)
+    assert np.array_equal(tok.native._core.pieces(text)[0], _per_character(tok.native._core, text))
+    if name in HF_TOKENIZERS:
+        check_hf_pieces(tok, text, tally)
+    check_ids(tok, text, tally)
+
+
+@pytest.mark.parametrize("rules", BLOCK_RULES)
+@SETTINGS
+@given(text=block_adv)
+def test_block_scanner_equals_regex(rules, text):
+    eng = _regex_engine(rules)
+    assert eng.block_scanner[0]
+    starts, _ = eng.pieces(text)
+    assert _spans(starts, len(text)) == regex_pieces(REGEX_RULES[rules], text)
+
+
+@pytest.mark.parametrize("rules", BLOCK_RULES)
+def test_block_scanner_on_every_short_ascii_context(rules):
+    # Every string of up to 5 characters over the characters the rules tell apart, written one
+    # after another: each 5-gram occurs at many offsets from the (moving) view edges.
+    import itertools
+
+    eng = _regex_engine(rules)
+    alphabet = "aS'tl 1\n\r!\t"
+    grams = ["".join(p) for k in range(1, 6) for p in itertools.product(alphabet, repeat=k)]
+    for lo in range(0, len(grams), 3000):
+        text = "".join(grams[lo:lo + 3000])
+        starts, _ = eng.pieces(text)
+        assert _spans(starts, len(text)) == regex_pieces(REGEX_RULES[rules], text), f"grams from {lo}"
+
+
+@pytest.mark.parametrize("name", BLOCK_TOKENIZERS)
+@pytest.mark.parametrize("kind", ["english", "code"])
+def test_block_scanner_ids_on_ucs2_and_ucs4_text(name, kind, tally):
+    # Mostly ASCII text stored 2 or 4 bytes a character (one curly quote, one emoji): the block
+    # scanner's views and the 8-at-a-time UTF-8 conversion of ASCII pieces, against the reference.
+    tok = get_tokenizer(name)
+    base = _stable(tok, large_text(60_000, seed=3, kind=kind))
+    for extra in ("\u2019", "\U0001f600"):
+        text = base[:30_000] + extra + base[30_000:] + extra
+        check_ids(tok, text, tally)
+        assert np.array_equal(tok.native._core.pieces(text)[0], _per_character(tok.native._core, text))

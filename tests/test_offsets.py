@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,3 +52,32 @@ def test_memory_is_one_checkpoint_per_stride():
     off = SparseOffsets(TOKEN_LEN)
     off.rebuild(ids)
     assert off.nbytes <= 4 * (len(ids) // STRIDE) * 1.5 + 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=ids_strategy, stale=ids_strategy)
+def test_rebuild_all_equals_the_dense_prefix_sum(ids, stale):
+    """The compiled whole-state pass (session starts and restores) against the dense sum, over an
+    offsets object that held another state before (its checkpoints must all be replaced)."""
+    off = SparseOffsets(TOKEN_LEN)
+    off.rebuild(stale)
+    total = off.rebuild_all(ids)
+    assert total == int(TOKEN_LEN[ids].sum(dtype=np.int64))
+    assert len(off.checkpoints()) == -(-len(ids) // STRIDE)
+    check(off, ids)
+
+
+def test_rebuild_all_refuses_an_id_outside_the_table():
+    off = SparseOffsets(TOKEN_LEN)
+    with pytest.raises(IndexError):
+        off.rebuild_all(np.array([0, len(TOKEN_LEN)], dtype=np.uint32))
+
+
+def test_the_compiled_pass_is_the_one_tested_where_built():
+    from toktier.native import BUILD_ERROR, _core
+    assert (_core is None) == (BUILD_ERROR is not None)
+    if _core is not None:
+        out = np.zeros(2, dtype=np.uint32)
+        ids = np.arange(len(TOKEN_LEN), dtype=np.uint32)
+        assert _core.token_checkpoints(ids, TOKEN_LEN, STRIDE, out) == int(TOKEN_LEN.sum())
+        assert _core.token_checkpoints(np.array([99], np.uint32), TOKEN_LEN, STRIDE, out) == -1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .buffers import GrowableU32
+from .native import _core as _native  # the compiled checkpoint pass; None in a tree nobody built
 
 STRIDE = 64
 
@@ -57,6 +58,21 @@ class SparseOffsets:
     def reserve_for(self, n_tokens: int) -> None:
         """Allocate for `n_tokens` tokens now (so a later rebuild cannot fail half-way)."""
         self._cp.reserve(-(-n_tokens // STRIDE))
+
+    def rebuild_all(self, ids: np.ndarray) -> int:
+        """All checkpoints of `ids`, the first token at byte 0 (a session start, a restore); returns
+        the tokens' total byte length.  One compiled pass over the ids where the native module is
+        built (a gather, a sum and a cumsum in numpy cost ~4x as much: 4M characters, ~3 ms)."""
+        n_cp = -(-len(ids) // STRIDE)
+        if _native is not None and len(ids) and ids.dtype == np.uint32 and ids.flags.c_contiguous:
+            self._cp.reserve(n_cp)
+            total = _native.token_checkpoints(ids, self._token_len, STRIDE, self._cp.buffer)
+            if total >= 0:
+                self._cp.n = n_cp
+                return int(total)
+        lens = np.take(self._token_len, ids)
+        self.rebuild(ids, lens=lens)
+        return int(lens.sum(dtype=np.int64))
 
     def rebuild(self, ids: np.ndarray, first_token: int = 0, first_start: int = 0,
                 lens: np.ndarray | None = None) -> None:

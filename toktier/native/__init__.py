@@ -154,6 +154,13 @@ class NativeEngine:
             for cache in caches:
                 self._give(cache)
 
+    @property
+    def block_scanner(self) -> tuple[bool, str]:
+        """(on, why it is off or ""): whether ASCII stretches are pre-tokenized 128 characters at a
+        time (decided at load from the probed class table and the rule set; engine.hpp,
+        `Engine::build_block`)."""
+        return self._core.block_scanner
+
     def pieces(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(piece start character offsets, literal id per piece or -1) of the native pre-tokenizer."""
         return self._core.pieces(text)

@@ -57,6 +57,9 @@ cdef extern from "engine.hpp" namespace "ttn":
         Tables t
         Trie lit1, lit2
         cbool nfc
+        cbool block_cl
+        const char* block_reason
+        void build_block()
         int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
         int encode_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
                              const vector[PieceCache*]& caches, cbool want_starts, vector[Output]& outs,
@@ -275,6 +278,21 @@ cdef class CoreEngine:
             base += nbytes[i]
         return 0, ids, starts
 
+    @property
+    def block_scanner(self):
+        """(on, reason it is off or ""): whether the block scanner (`Engine::pretok_block`) serves."""
+        return bool(self.e.block_cl), self.e.block_reason.decode()
+
+    def use_block_scanner(self, bint on):
+        """Switch the block scanner off, or back on where `build_block` allows it (tests and A/B
+        compare it with the per-character scanner); returns whether it is on.  Not while another
+        call uses this engine."""
+        if on:
+            self.e.build_block()
+        else:
+            self.e.block_cl = False
+        return bool(self.e.block_cl)
+
     def pieces(self, str text):
         """(piece start character offsets int64, literal id per piece or -1): the pre-tokenizer's
         split after the literal split (campaigns compare it with the reference's pieces)."""
@@ -481,3 +499,33 @@ cdef class RepairLane:
         if done:
             return 0, res.k1, res.k2, res.q, res.q2, res.fresh, first, B.n, B.n_cp, None
         return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid.data(), res.mid.size())
+
+
+def token_checkpoints(const uint32_t[::1] ids, const uint32_t[::1] token_len, int64_t stride, uint32_t[::1] out):
+    """One pass over `ids`: ``out[j]`` = the byte start of token ``j * stride`` (the session's
+    checkpoints, `toktier.offsets`), returned with the tokens' total byte length; -1 when an id
+    is outside `token_len` or a start does not fit in uint32 (the caller then takes numpy's path).
+    `out` holds at least ``ceil(len(ids) / stride)`` slots."""
+    cdef Py_ssize_t n = ids.shape[0], nv = token_len.shape[0], i = 0, k, end, j = 0
+    cdef int64_t total = 0
+    cdef int64_t limit = 0xFFFFFFFF
+    cdef uint32_t t
+    cdef bint bad = False
+    if stride <= 0 or out.shape[0] < (n + stride - 1) // stride:
+        raise ValueError("token_checkpoints: stride must be positive and out must hold ceil(len(ids) / stride)")
+    with nogil:
+        while i < n and not bad:
+            if total > limit:
+                bad = True
+                break
+            out[j] = <uint32_t>total
+            j += 1
+            end = i + stride if i + stride < n else n
+            for k in range(i, end):  # a block per checkpoint: no division per token
+                t = ids[k]
+                if t >= nv:
+                    bad = True
+                    break
+                total += token_len[t]
+            i = end
+    return -1 if bad else total

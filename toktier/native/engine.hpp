@@ -5,7 +5,9 @@
 //      normalized ones in the gaps (a code-point trie each);
 //   2. each gap is pre-tokenized by a hand-written scanner per rule set that follows the
 //      family's regex alternative by alternative (leftmost-first, greedy, with the exact
-//      backtracking each alternative can do), reading only the probed class table;
+//      backtracking each alternative can do), reading only the probed class table; for the
+//      cl100k-like rule sets, ASCII stretches go 128 characters at a time through class
+//      bitmasks instead (`pretok_block`), where the table allows it;
 //   3. each piece is BPE-encoded: whole-piece vocab lookup where the reference does it,
 //      else the leftmost lowest-rank merge, one merge at a time (a heap for long pieces,
 //      ordered as HF's `Word::merge_all` orders it), through a per-thread piece cache.
@@ -146,6 +148,8 @@ struct Trie {
   std::vector<int64_t> term{-1};  // node -> literal id or -1
   std::vector<uint64_t> first_ascii{0, 0};  // bitmap of ASCII first code points
   std::vector<uint32_t> first_other;  // sorted non-ASCII first code points
+  uint32_t first4[4] = {0, 0, 0, 0};  // the first ASCII first code points (`next_candidate`)
+  int n_first_ascii = 0;
 
   void add(const uint32_t* cps, int64_t n, int64_t id) {
     if (n <= 0) return;
@@ -164,12 +168,63 @@ struct Trie {
     }
     term[node] = id;
     uint32_t c0 = cps[0];
-    if (c0 < 128) first_ascii[c0 >> 6] |= 1ull << (c0 & 63);
-    else if (!std::binary_search(first_other.begin(), first_other.end(), c0)) {
+    if (c0 < 128) {
+      if (!((first_ascii[c0 >> 6] >> (c0 & 63)) & 1)) {
+        if (n_first_ascii < 4) first4[n_first_ascii] = c0;
+        ++n_first_ascii;
+      }
+      first_ascii[c0 >> 6] |= 1ull << (c0 & 63);
+    } else if (!std::binary_search(first_other.begin(), first_other.end(), c0)) {
       first_other.insert(std::upper_bound(first_other.begin(), first_other.end(), c0), c0);
     }
   }
   bool empty() const { return term.size() == 1; }
+  // The first position from i (below n) whose character may start a literal, or n.  With at
+  // most four ASCII first characters (every family's literals start with '<' or so), 16 bytes
+  // are compared at a time (SSE2); a character outside ASCII counts as a candidate when some
+  // literal starts with one, and `may_start` decides it.  A scan per character cost 6-9% of an
+  // encode.
+  template <class T>
+  int64_t next_candidate(const T* s, int64_t i, int64_t n) const {
+#if defined(__SSE2__)
+    const int k = n_first_ascii;
+    if (k >= 1 && k <= 4) {
+      uint32_t firsts[4];
+      for (int j = 0; j < 4; ++j) firsts[j] = first4[j < k ? j : 0];
+      constexpr int per = 16 / int(sizeof(T));
+      const bool other = !first_other.empty();
+      __m128i f[4], high;
+      for (int j = 0; j < 4; ++j)
+        f[j] = sizeof(T) == 1 ? _mm_set1_epi8(char(firsts[j])) : sizeof(T) == 2 ? _mm_set1_epi16(short(firsts[j]))
+                                                                                : _mm_set1_epi32(int(firsts[j]));
+      high = sizeof(T) == 1 ? _mm_set1_epi8(char(0x80)) : sizeof(T) == 2 ? _mm_set1_epi16(short(0xFF80))
+                                                                           : _mm_set1_epi32(int(0xFFFFFF80u));
+      const __m128i zero = _mm_setzero_si128();
+      for (; i + per <= n; i += per) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+        __m128i hit;
+        if (sizeof(T) == 1) {
+          hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, f[0]), _mm_cmpeq_epi8(x, f[1])),
+                             _mm_or_si128(_mm_cmpeq_epi8(x, f[2]), _mm_cmpeq_epi8(x, f[3])));
+          if (other) hit = _mm_or_si128(hit, _mm_xor_si128(_mm_cmpeq_epi8(_mm_and_si128(x, high), zero), _mm_set1_epi8(-1)));
+        } else if (sizeof(T) == 2) {
+          hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi16(x, f[0]), _mm_cmpeq_epi16(x, f[1])),
+                             _mm_or_si128(_mm_cmpeq_epi16(x, f[2]), _mm_cmpeq_epi16(x, f[3])));
+          if (other) hit = _mm_or_si128(hit, _mm_xor_si128(_mm_cmpeq_epi16(_mm_and_si128(x, high), zero), _mm_set1_epi8(-1)));
+        } else {
+          hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi32(x, f[0]), _mm_cmpeq_epi32(x, f[1])),
+                             _mm_or_si128(_mm_cmpeq_epi32(x, f[2]), _mm_cmpeq_epi32(x, f[3])));
+          if (other) hit = _mm_or_si128(hit, _mm_xor_si128(_mm_cmpeq_epi32(_mm_and_si128(x, high), zero), _mm_set1_epi8(-1)));
+        }
+        const uint32_t m = uint32_t(_mm_movemask_epi8(hit));
+        if (m) return i + int64_t(__builtin_ctz(m) / int(sizeof(T)));
+      }
+    }
+#endif
+    for (; i < n; ++i)
+      if (may_start(uint32_t(s[i]))) return i;
+    return n;
+  }
   bool may_start(uint32_t c) const {
     if (c < 128) return (first_ascii[c >> 6] >> (c & 63)) & 1;
     return !first_other.empty() && std::binary_search(first_other.begin(), first_other.end(), c);
@@ -194,7 +249,7 @@ struct Literal { int64_t a, b, id; };
 template <class T>
 void find_literals(const Trie& t, const T* s, int64_t lo, int64_t hi, std::vector<Literal>& out) {
   int64_t i = lo;
-  while (i < hi) {
+  while ((i = t.next_candidate(s, i, hi)) < hi) {
     if (t.may_start(uint32_t(s[i]))) {
       int64_t id = -1;
       int64_t e = t.longest(s, i, hi, id);
@@ -341,6 +396,7 @@ class Engine {
     };
     run_alpha_L = exact(L, ALPHA);
     run_lower_LO = exact(LO, LOWER);
+    build_block();
   }
 
   // The first position from i (below b) whose character is not an ASCII letter of `kind`, or a
@@ -597,7 +653,20 @@ class Engine {
 
   // BPE of a batch of pieces of `buf` (byte start, length), in order: all hashes first, their
   // cache and vocab lines prefetched, then the lookups (a cold window's misses overlap).
-  void encode_pieces(const uint8_t* buf, const std::vector<std::pair<uint32_t, uint32_t>>& pcs,
+  // A batch of pieces (byte start, length) in fixed room: a vector's emplace_back per piece was
+  // an out-of-line call (4-6% of an encode).  Callers flush at CAP.
+  struct PieceBatch {
+    static constexpr size_t CAP = 256;
+    std::pair<uint32_t, uint32_t> p[CAP];
+    size_t n = 0;
+    bool empty() const { return n == 0; }
+    size_t size() const { return n; }
+    const std::pair<uint32_t, uint32_t>& operator[](size_t i) const { return p[i]; }
+    void emplace_back(uint32_t at, uint32_t len) { p[n++] = {at, len}; }
+    void clear() { n = 0; }
+  };
+
+  void encode_pieces(const uint8_t* buf, const PieceBatch& pcs,
                      std::vector<uint64_t>& hs, PieceCache& cache, std::vector<uint32_t>& out,
                      std::vector<uint32_t>* first_tok) const {
     hs.resize(pcs.size());
@@ -849,6 +918,231 @@ class Engine {
     return -1;
   }
 
+  // -- block scanner: cl100k-like rules over ASCII, 128 characters at a time ------------------
+  // The per-character scanner takes a data-dependent branch per character class and per piece
+  // (~20 ns a piece).  Here a stretch of ASCII is first turned into class bitmasks, and the piece
+  // starts of up to 128 characters come out of a few dozen shifts, ands and adds: the per-
+  // character rules of the GPU path's host model (toktier/gpu/pretok_model.py, `_starts_cl100k`),
+  // which read nothing but L/N/W from the probed table, the characters \r \n ' ' and '\'', and the
+  // contraction folds.  Each view starts at a known piece start (the regexes have no lookbehind,
+  // so the pieces after it are those of the text cut there), and only starts that nothing past
+  // the view can change are emitted; the rest, non-ASCII characters and runs longer than a view
+  // go to `match_cl`, one piece at a time.  Used only where `build_block` finds the probed table
+  // gives the ASCII characters exactly the classes these rules assume.
+#if defined(__SSE2__) && defined(__SIZEOF_INT128__)
+  using u128 = unsigned __int128;
+  static constexpr bool BLOCK_BUILT = true;
+#else
+  static constexpr bool BLOCK_BUILT = false;
+#endif
+  enum BlockBit : int { B_L = 0, B_N, B_W, B_R, B_SP, B_AP, B_HI, B_COUNT };
+  uint8_t bcode[129] = {};  // class bits of ASCII code points; [128]: any other character
+  bool block_cl = false;  // the block scanner serves this tokenizer (`build_block`)
+  const char* block_reason = "not built";
+
+  void build_block() {
+    block_cl = false;
+    if (!BLOCK_BUILT) { block_reason = "compiled without SSE2 and 128-bit integers"; return; }
+    if (t.rules != CL100K_HF && t.rules != CL100K_TT && t.rules != QWEN) {
+      block_reason = "rule set not covered (o200k and DeepSeek keep the per-character scanner)";
+      return;
+    }
+    for (uint32_t c = 0; c < 128; ++c) {
+      const uint32_t k = t.cls[c];
+      const int classes = int(bool(k & L)) + int(bool(k & N)) + int(bool(k & W));
+      if (classes > 1) { block_reason = "an ASCII character in more than one of L, N, W"; return; }
+      if (((k >> FOLD_SHIFT) & 0xFF) && !(k & L)) { block_reason = "an ASCII contraction fold on a non-letter"; return; }
+      bcode[c] = uint8_t((k & L ? 1 << B_L : 0) | (k & N ? 1 << B_N : 0) | (k & W ? 1 << B_W : 0) |
+                         (is_r(c) ? 1 << B_R : 0) | (c == ' ' ? 1 << B_SP : 0) | (c == '\'' ? 1 << B_AP : 0));
+    }
+    if (!(t.cls['\r'] & W) || !(t.cls['\n'] & W) || !(t.cls[' '] & W) || (t.cls['\''] & (L | N | W))) {
+      block_reason = "\\r, \\n or space not whitespace, or the apostrophe not punctuation";
+      return;
+    }
+    bcode[128] = 1 << B_HI;
+    block_cl = true;
+    block_reason = "";
+  }
+
+#if defined(__SSE2__) && defined(__SIZEOF_INT128__)
+  // Class bitmasks of a chunk of the text: bit j of words[b] is class b of character base + j.
+  static constexpr int64_t CHUNK = 4096;
+  static constexpr int CHUNK_WORDS = int(CHUNK / 64) + 3;  // + the words a view reads past the end
+  struct ClassBits { uint64_t w[B_COUNT][CHUNK_WORDS]; };
+
+  template <class T>
+  void classify(const T* s, int64_t from, int64_t len, ClassBits& cb) const {  // len <= CHUNK
+    int64_t k = 0;
+    for (; k < len; k += 64) {
+      alignas(16) uint8_t code[64];
+      const int64_t m = std::min<int64_t>(64, len - k);
+      for (int64_t j = 0; j < m; ++j) code[j] = bcode[std::min<uint32_t>(uint32_t(s[from + k + j]), 128)];
+      for (int64_t j = m; j < 64; ++j) code[j] = 0;
+      __m128i x[4];
+      for (int q = 0; q < 4; ++q) x[q] = _mm_load_si128(reinterpret_cast<const __m128i*>(code + 16 * q));
+      for (int b = 0; b < B_COUNT; ++b) {  // bit b of each byte to the byte's top bit, then movemask
+        uint64_t word = 0;
+        for (int q = 0; q < 4; ++q)
+          word |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_slli_epi16(x[q], 7 - b)))) << (16 * q);
+        cb.w[b][k / 64] = word;
+      }
+    }
+    for (int64_t z = k / 64; z < CHUNK_WORDS; ++z)
+      for (int b = 0; b < B_COUNT; ++b) cb.w[b][z] = 0;
+  }
+
+  // Whether the 16 characters from i (fewer at b) are ASCII: without this, text with a non-ASCII
+  // character every few positions paid for a view per piece and got 0.85x.
+  template <class T>
+  static inline bool ascii_ahead(const T* s, int64_t i, int64_t b) {
+    uint32_t acc = 0;
+    if (i + 16 <= b) {
+      for (int k = 0; k < 16; ++k) acc |= uint32_t(s[i + k]);  // fixed trip count: vectorized
+    } else {
+      for (int64_t k = i; k < b; ++k) acc |= uint32_t(s[k]);
+    }
+    return acc < 0x80;
+  }
+
+  // 128 bits of a chunk's class b from bit o (the words past the classified part are zero)
+  static inline u128 bits_at(const uint64_t* w, int64_t o) {
+    const int64_t k = o >> 6;
+    const int r = int(o & 63);
+    uint64_t lo = w[k], hi = w[k + 1];
+    if (r) {
+      lo = (lo >> r) | (hi << (64 - r));
+      hi = (hi >> r) | (w[k + 2] << (64 - r));
+    }
+    return (u128(hi) << 64) | lo;
+  }
+  static inline int ctz128(u128 x) {
+    const uint64_t lo = uint64_t(x);
+    return lo ? __builtin_ctzll(lo) : 64 + __builtin_ctzll(uint64_t(x >> 64));
+  }
+  static inline int top128(u128 x) {  // index of the highest set bit (x != 0)
+    const uint64_t hi = uint64_t(x >> 64);
+    return hi ? 127 - __builtin_clzll(hi) : 63 - __builtin_clzll(uint64_t(x));
+  }
+  // positions reachable from a seed going backwards through `run` (seeds inside run)
+  static inline u128 fill_back(u128 seed, u128 run) {
+    for (int k = 1; k < 128; k <<= 1) { seed |= (seed >> k) & run; run &= run >> k; }
+    return seed;
+  }
+
+  // Piece starts of the view of nv characters (bit j: character i + j; bit 0 is a piece start),
+  // as `_starts_cl100k`; `at_end`: the view ends where the segment does.  `join_ap` receives the
+  // letter runs an apostrophe joined, whose contraction the caller decides.
+  inline u128 view_starts(const u128* v, int nv, bool at_end, u128& join_ap) const {
+    const u128 valid = nv >= 128 ? ~u128(0) : (u128(1) << nv) - 1;
+    const u128 Lm = v[B_L], Nm = v[B_N], Wm = v[B_W], Rm = v[B_R], SP = v[B_SP];
+    const u128 P = valid & ~(Lm | Nm | Wm);
+    u128 st = 1;
+    if (t.rules == QWEN) {
+      st |= Nm;
+    } else {  // \p{N}{1,3}: a digit run's first digit, then every third
+      u128 x = Nm & ~(Nm << 1);
+      st |= x;
+      while (x) { x = (x << 3) & Nm & (Nm << 1) & (Nm << 2); st |= x; }
+    }
+    st |= P & ~(P << 1) & ~(SP << 1);  // a punctuation run, unless ' ?' took the space before it
+    // letter runs: joined by the last whitespace character before them (not \r \n) or by one
+    // punctuation character at a scan position (a run of one, no space before it)
+    const u128 Lb = Lm & ~(Lm << 1);
+    const u128 join = ((Wm & ~Rm) << 1) | ((P << 1) & ~(P << 2) & ~(SP << 2));
+    st |= Lb & ~join;
+    join_ap = Lb & join & (v[B_AP] << 1);
+    // whitespace runs: the entry (after the \r \n a punctuation piece's [\r\n]* took), the
+    // character after the run's last \r \n, and the run's last character when something follows
+    const u128 Ws = Wm & ~(Wm << 1);
+    const u128 seed = Ws & Rm & (P << 1);
+    st |= Ws & ~seed;
+    st |= (Rm + seed) & ~Rm & Wm;  // the carry runs through the leading \r \n to the entry
+    const u128 Wnr = Wm & ~Rm;
+    const u128 tail = fill_back(Wnr & ~(Wm >> 1), Wnr);  // no \r \n from here to the run's end
+    u128 after_r = Wnr & (Rm << 1) & tail;
+    if (t.rules == CL100K_TT && at_end && ((Wm >> (nv - 1)) & 1))  // \s++$ takes the last run whole
+      after_r &= ~fill_back(u128(1) << (nv - 1), Wm);
+    st |= after_r;
+    const u128 has_next = at_end ? valid >> 1 : valid;
+    st |= Wnr & ~(Wm >> 1) & has_next;
+    return st & valid;
+  }
+
+  template <class T, class F>
+  void pretok_block(const T* s, int64_t a, int64_t b, F&& piece) const {
+    ClassBits cb;
+    int64_t base = a, end = a;  // cb holds [base, end)
+    int64_t i = a;
+    while (i < b) {
+      if (!ascii_ahead(s, i, b)) {  // dense non-ASCII text (CJK...): no view would get far
+        const int64_t e = match_cl(s, i, b);
+        piece(i, e);
+        i = e;
+        continue;
+      }
+      if (i + 128 > end && end < b) {
+        base = i;
+        end = std::min<int64_t>(b, i + CHUNK);
+        classify(s, base, end - base, cb);
+      }
+      const int64_t o = i - base;
+      u128 v[B_COUNT];
+      for (int c = 0; c < B_COUNT; ++c) v[c] = bits_at(cb.w[c], o);
+      int nv = int(std::min<int64_t>(128, end - i));
+      if (v[B_HI]) nv = std::min(nv, ctz128(v[B_HI]));  // a non-ASCII character ends the view
+      const bool at_end = i + nv == b;
+      int lim = nv;
+      if (!at_end) {
+        // Starts a later character could change stay out: those within 3 characters of the
+        // view's end (a contraction reads 3 ahead) and those of a whitespace run reaching it.
+        lim = nv - 3;
+        if (nv && ((v[B_W] >> (nv - 1)) & 1)) {
+          const u128 valid = nv >= 128 ? ~u128(0) : (u128(1) << nv) - 1;
+          const u128 non_w = valid & ~v[B_W];
+          lim = std::min(lim, non_w ? top128(non_w) + 1 : 0);
+        }
+      }
+      if (lim <= 1) {  // nothing decided past i: one piece the per-character way
+        const int64_t e = match_cl(s, i, b);
+        piece(i, e);
+        i = e;
+        continue;
+      }
+      if (nv < 128) for (int c = 0; c < B_COUNT; ++c) v[c] &= (u128(1) << nv) - 1;
+      u128 join_ap;
+      u128 st = view_starts(v, nv, at_end, join_ap);
+      while (join_ap) {  // 's 't 'm 'd 're 've 'll before a letter run: the rest starts a piece
+        const int x = ctz128(join_ap);
+        join_ap &= join_ap - 1;
+        const int64_t e = contraction(s, i + x - 1, b) - i;
+        if (e > x && e < nv && ((v[B_L] >> e) & 1)) st |= u128(1) << e;
+      }
+      if (lim < 128) st &= (u128(1) << lim) - 1;
+      st &= st - 1;  // bit 0: i itself
+      if (!st && !at_end) {
+        const int64_t e = match_cl(s, i, b);
+        piece(i, e);
+        i = e;
+        continue;
+      }
+      int64_t prev = i;
+      while (st) {
+        const int64_t x = i + ctz128(st);
+        st &= st - 1;
+        piece(prev, x);
+        prev = x;
+      }
+      if (at_end) { piece(prev, b); prev = b; }
+      i = prev;
+    }
+  }
+#else
+  template <class T, class F>
+  void pretok_block(const T* s, int64_t a, int64_t b, F&& piece) const {
+    for (int64_t i = a; i < b;) { const int64_t e = match_cl(s, i, b); piece(i, e); i = e; }
+  }
+#endif
+
   // Piece boundaries of the literal-free segment [a, b): calls piece(start, end) in order.
   template <class T, class F>
   void pretokenize(const T* s, int64_t a, int64_t b, F&& piece) const {
@@ -856,6 +1150,8 @@ class Engine {
     int64_t i = a;
     if (t.rules == O200K) {
       while (i < b) { int64_t e = match_o200k(s, i, b); piece(i, e); i = e; }
+    } else if (block_cl) {
+      pretok_block(s, a, b, piece);
     } else {
       while (i < b) { int64_t e = match_cl(s, i, b); piece(i, e); i = e; }
     }
@@ -934,7 +1230,7 @@ class Engine {
     const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
     std::unique_ptr<uint8_t[]> pbuf(new uint8_t[4096]());  // a batch's pieces as UTF-8 (converted texts)
     size_t pcap = 4096;
-    std::vector<std::pair<uint32_t, uint32_t>> batch;  // (byte offset in the segment buffer, length)
+    PieceBatch batch;  // (byte offset in the segment buffer, length)
     std::vector<uint64_t> hs;
     std::vector<uint32_t> first_tok;
     int64_t text_byte = 0;  // UTF-8 offset of character `text_char` in the whole text
@@ -972,7 +1268,7 @@ class Engine {
           uint32_t x = direct ? uint32_t(pa - a) : uint32_t(at[pa] - at[a]);
           uint32_t y = direct ? uint32_t(pb - a) : uint32_t(at[pb] - at[a]);
           batch.emplace_back(x, y - x);
-          if (batch.size() >= 256) flush(buf, base);
+          if (batch.size() >= PieceBatch::CAP) flush(buf, base);
         };
         pretokenize(s, a, b, piece);
         flush(buf, base);
@@ -984,7 +1280,7 @@ class Engine {
       int64_t bbase = base;  // pbuf[0]'s byte offset in the text
       size_t used = 0;
       auto piece = [&](int64_t pa, int64_t pb) {
-        const size_t need = used + size_t(pb - pa) * 4;
+        const size_t need = used + size_t(pb - pa) * 4 + 16;  // + room for `ascii8`'s 8-byte stores
         if (need > pcap) {
           pcap = std::max(need, 2 * pcap);
           std::unique_ptr<uint8_t[]> bigger(new uint8_t[pcap]());
@@ -993,14 +1289,21 @@ class Engine {
         }
         uint8_t* const w0 = pbuf.get() + used;
         uint8_t* w = w0;
-        for (int64_t i = pa; i < pb; ++i) {
+        int64_t i = pa;
+        while (i < pb && i + 8 <= n) {  // ASCII 8 characters at a time (reads stay inside the text)
+          const int k = ascii8(s + i, int(std::min<int64_t>(8, pb - i)), w);
+          if (!k) break;
+          w += k;
+          i += k;
+        }
+        for (; i < pb; ++i) {
           const uint32_t c = uint32_t(s[i]);
           if (c < 0x80) *w++ = uint8_t(c);
           else w = put_utf8(c, w);
         }
         batch.emplace_back(uint32_t(used), uint32_t(w - w0));
         used += size_t(w - w0);
-        if (batch.size() >= 256) { flush(pbuf.get(), bbase); bbase += int64_t(used); used = 0; }
+        if (batch.size() >= PieceBatch::CAP) { flush(pbuf.get(), bbase); bbase += int64_t(used); used = 0; }
       };
       pretokenize(s, a, b, piece);
       flush(pbuf.get(), bbase);
@@ -1090,6 +1393,40 @@ class Engine {
       pos = l.b;
     }
     if (pos < n) pretokenize(s, pos, n, piece);
+  }
+
+  // The first k (<= 8) of the 8 characters at s, when all k are ASCII, stored as bytes at w (8
+  // bytes are written): k, else 0.  Most pieces of a UCS-2/UCS-4 text are ASCII, and a branch per
+  // character of the UTF-8 conversion cost more than the scan that found the piece.
+  template <class T>
+  static inline int ascii8(const T* s, int k, uint8_t* w) {
+#if defined(__SSE2__)
+    if (sizeof(T) == 1) return 0;
+    const __m128i zero = _mm_setzero_si128();
+    __m128i x;
+    uint32_t ok;
+    if (sizeof(T) == 2) {
+      x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+      ok = uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(x, _mm_set1_epi16(short(0xFF80))), zero)));
+    } else {
+      const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+      const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 4));
+      const __m128i high = _mm_set1_epi32(int(0xFFFFFF80u));
+      const uint32_t ok0 = uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi32(_mm_and_si128(x0, high), zero)));
+      const uint32_t ok1 = uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi32(_mm_and_si128(x1, high), zero)));
+      // 32-bit lanes to one bit pair per character, as the 16-bit case has
+      ok = 0;
+      for (int j = 0; j < 4; ++j) ok |= ((ok0 >> (4 * j)) & 3u) << (2 * j) | ((ok1 >> (4 * j)) & 3u) << (2 * j + 8);
+      x = _mm_packs_epi32(_mm_and_si128(x0, _mm_set1_epi32(0x7F)), _mm_and_si128(x1, _mm_set1_epi32(0x7F)));
+    }
+    const uint32_t want = (1u << (2 * k)) - 1;
+    if ((ok & want) != want) return 0;
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(w), _mm_packus_epi16(x, x));
+    return k;
+#else
+    (void)s; (void)k; (void)w;
+    return 0;
+#endif
   }
 
   static inline uint8_t* put_utf8(uint32_t c, uint8_t* w) {
