@@ -343,23 +343,6 @@ def print_table(trace: str, size: int, res: dict, out=print) -> dict:
 
 
 # -- restart -----------------------------------------------------------------------------------
-def _format2_bytes(rec: persist.SessionRecord) -> bytes:
-    """``rec`` as the previous build wrote it (record format 2: a sha256 certificate, no character
-    count), to time what an upgrade's first restore of an old record costs."""
-    import json
-    import struct
-    import zlib
-
-    header = json.dumps({
-        "tokenizer_hash": rec.tokenizer_hash, "tokenizer_name": rec.tokenizer_name, "specials": rec.specials,
-        "namespace": rec.namespace, "session": rec.session, "seq": rec.seq, "window": rec.window,
-        "certificate": rec.certificate, "op_key": rec.op_key,
-    }, separators=(",", ":")).encode()
-    body = b"".join((struct.pack("<4sHHIQQ", b"TTSR", 2, 0, len(header), len(rec.text), len(rec.ids)), header,
-                     rec.text, np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()))
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
 RESTART_KINDS = ("english", "mixed")
 
 
@@ -392,7 +375,7 @@ def restart_bench(tok, size: int, reps: int, out=print, kinds=RESTART_KINDS, oth
                   for i in range(4 * reps + 30)]
         s = toktier.Session(tok, text)
         rec = persist.SessionRecord.of(s, namespace=0, session_id="bench", seq=1)
-        old = _format2_bytes(persist.SessionRecord.of(s, namespace=0, session_id="bench", seq=1, certify=True))
+        old = persist.encode_record(persist.SessionRecord.of(s, namespace=0, session_id="bench", seq=1, certify=True), version=2)
         times: dict[str, list[float]] = {k: [] for k in ("lazy", "lazy_restore", "lazy2", "preload_restore",
                                                          "preloaded", "warm", "warm_swept")}
         d = 0

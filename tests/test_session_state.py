@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import toktier
+from toktier import persist
 from conftest import get_tokenizer
 from toktier.fullpath import FullPath, FullPathConfig
 from toktier.gpu import bpe_model
@@ -171,22 +172,6 @@ def test_from_state_accepts_a_plain_list_and_an_empty_state():
 
 
 # -- session records (toktier.persist): format 3, and format 2 read by this build ----------------
-def _format2(rec) -> bytes:
-    """``rec`` as the previous build wrote it (format 2: no character count, a sha256 certificate)."""
-    import json
-    import struct
-    import zlib
-
-    header = json.dumps({
-        "tokenizer_hash": rec.tokenizer_hash, "tokenizer_name": rec.tokenizer_name, "specials": rec.specials,
-        "namespace": rec.namespace, "session": rec.session, "seq": rec.seq, "window": rec.window,
-        "certificate": rec.certificate, "op_key": rec.op_key,
-    }, separators=(",", ":")).encode()
-    body = b"".join((struct.pack("<4sHHIQQ", b"TTSR", 2, 0, len(header), len(rec.text), len(rec.ids)), header,
-                     rec.text, np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()))
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
 class _NoEncode(FullPath):
     def encode(self, tok, text):  # a record that verifies must not be re-encoded
         raise AssertionError("encoded")
@@ -221,7 +206,7 @@ def test_format2_records_are_read_and_verified_as_before(name):
     text = large_text(20_000, seed=9, kind="mixed") + " 🚀 ✅"
     s = toktier.Session(tok, text)
     rec = persist.SessionRecord.of(s, namespace=1000, session_id="old", seq=2, certify=True)
-    back = persist.decode_record(_format2(rec))
+    back = persist.decode_record(persist.encode_record(rec, version=2))
     assert (back.version, back.nchars, back.certificate) == (2, -1, s.certificate())
     t = persist.restore_session(tok, back, full_path=_NoEncode())  # its certificate matches: no encode
     assert t.num_chars == len(text) and np.array_equal(t.append("!").ids, tok.encode(text + "!"))
@@ -230,7 +215,7 @@ def test_format2_records_are_read_and_verified_as_before(name):
     liar = persist.SessionRecord(rec.tokenizer_hash, rec.tokenizer_name, rec.specials, 1000, "old", 2, 0, rec.text,
                                  swapped, rec.certificate)  # the certificate is of other IDs: verified by an encode
     with pytest.raises(toktier.InvalidState):
-        persist.restore_session(tok, persist.decode_record(_format2(liar)))
+        persist.restore_session(tok, persist.decode_record(persist.encode_record(liar, version=2)))
 
 
 def test_format3_record_checks():
@@ -277,3 +262,17 @@ def test_persist_doctests():
 
     res = doctest.testmod(persist)
     assert res.failed == 0 and res.attempted > 0
+
+
+def test_writing_an_older_format_needs_its_certificate_and_a_known_version():
+    tok = toktier.load_tokenizer("cl100k_base")
+    s = toktier.Session(tok, "hello world")
+    plain = persist.SessionRecord.of(s, namespace=0, session_id="a", seq=1)
+    with pytest.raises(ValueError, match="certify=True"):
+        persist.encode_record(plain, version=2)
+    with pytest.raises(ValueError, match="cannot write record format 7"):
+        persist.encode_record(plain, version=7)
+    old = persist.decode_record(persist.encode_record(
+        persist.SessionRecord.of(s, namespace=0, session_id="a", seq=1, certify=True), version=2))
+    assert (old.version, old.nchars) == (2, -1)  # what the previous build wrote: no count
+    assert persist.restore_session(tok, old).append("!").ids.tolist() == tok.encode("hello world!").tolist()

@@ -178,19 +178,27 @@ def _count_chars(data: bytes) -> int:
     return int(np.count_nonzero((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80))
 
 
-def encode_record(rec: SessionRecord) -> bytes:
-    """The record's bytes in format `FORMAT_VERSION` (see the module docstring for the layout)."""
-    nchars = rec.nchars if rec.nchars >= 0 else _count_chars(rec.text)
+def encode_record(rec: SessionRecord, *, version: int = FORMAT_VERSION) -> bytes:
+    """The record's bytes (see the module docstring for the layout).  ``version=2`` writes what
+    the previous build reads (a downgrade that keeps its sessions, and the upgrade tests): it
+    needs the record's sha256 certificate (``SessionRecord.of(..., certify=True)``)."""
     fields = {
         "tokenizer_hash": rec.tokenizer_hash, "tokenizer_name": rec.tokenizer_name, "specials": rec.specials,
         "namespace": rec.namespace, "session": rec.session, "seq": rec.seq, "window": rec.window,
-        "chars": nchars, "op_key": rec.op_key,
     }
-    if rec.certificate:
-        fields["certificate"] = rec.certificate
+    if version == 2:
+        if not rec.certificate:
+            raise ValueError("a format-2 record carries a certificate: make the record with certify=True")
+        fields.update(certificate=rec.certificate, op_key=rec.op_key)  # format 2's key order
+    elif version == FORMAT_VERSION:
+        fields.update(chars=rec.nchars if rec.nchars >= 0 else _count_chars(rec.text), op_key=rec.op_key)
+        if rec.certificate:
+            fields["certificate"] = rec.certificate
+    else:
+        raise ValueError(f"cannot write record format {version}; this build writes versions 2 and {FORMAT_VERSION}")
     header = json.dumps(fields, separators=(",", ":")).encode("utf-8")
     ids = np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()
-    body = b"".join((_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), len(rec.text), len(rec.ids)),
+    body = b"".join((_PREFIX.pack(MAGIC, version, 0, len(header), len(rec.text), len(rec.ids)),
                      header, rec.text, ids))
     return body + struct.pack("<I", zlib.crc32(body))
 

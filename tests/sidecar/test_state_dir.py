@@ -5,21 +5,18 @@ reference) are counted misses that never yield wrong IDs; the directory must be 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zlib
 
 import numpy as np
 import pytest
 
 import toktier
-from toktier.persist import SessionRecord, decode_record, read_record, write_record
+from toktier.persist import SessionRecord, decode_record, encode_record, read_record, write_record
 from toktier.session import state_certificate
 from toktier.tools.corpus import large_text
 from toktier_client import Client, SessionMiss, core
@@ -53,6 +50,11 @@ def wait_for_record(state_dir, session: str, seq: int, timeout: float = 30) -> S
         time.sleep(0.02)
 
 
+def format2_bytes(rec: SessionRecord) -> bytes:
+    """``rec`` as the previous build wrote it (record format 2; ``rec`` made with ``certify=True``)."""
+    return encode_record(rec, version=2)
+
+
 def restores(st) -> dict[str, float]:
     reg = st.sidecar.metrics.registry
     return {r: reg.get_sample_value("toktier_state_restore_total", {"result": r}) or 0.0
@@ -61,19 +63,6 @@ def restores(st) -> dict[str, float]:
 
 def full_encodes(st) -> int:
     return st.sidecar.service.full_path.stats().encodes
-
-
-def format2_bytes(rec: SessionRecord) -> bytes:
-    """``rec`` as the previous build wrote it: record format 2 (no character count; the sha256
-    certificate ``rec`` carries: make it with ``certify=True``), byte for byte."""
-    header = json.dumps({
-        "tokenizer_hash": rec.tokenizer_hash, "tokenizer_name": rec.tokenizer_name, "specials": rec.specials,
-        "namespace": rec.namespace, "session": rec.session, "seq": rec.seq, "window": rec.window,
-        "certificate": rec.certificate, "op_key": rec.op_key,
-    }, separators=(",", ":")).encode()
-    body = b"".join((struct.pack("<4sHHIQQ", b"TTSR", 2, 0, len(header), len(rec.text), len(rec.ids)), header,
-                     rec.text, np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()))
-    return body + struct.pack("<I", zlib.crc32(body))
 
 
 # ----------------------------------------------------------------- in-process restarts
