@@ -338,6 +338,7 @@ class Conversations:
         if svc.store.peek(key) is slot:
             svc.store.unpin(key)
             svc.store.resize(key, slot.nbytes)
+            svc.on_resized()  # sessions restored at start and not open yet give way, as for session ops
 
     def answer(self, rid: int, slot: ConvSlot, out: ConvOutcome) -> Answer:
         """The ``ConvIds`` answer; the shadow verifier may re-encode a result without drift
@@ -405,6 +406,7 @@ class Conversations:
     def add(self, svc: SessionService, key: SessionKey, slot: ConvSlot) -> None:
         """Loop thread: register a created conversation (may evict others)."""
         svc.store.add(key, slot, slot.nbytes)
+        svc.on_resized()
         self.added()
 
 

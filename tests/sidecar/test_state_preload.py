@@ -306,3 +306,32 @@ def test_restart_of_a_real_server_restores_at_start(tmp_path, llama3, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_a_growing_conversation_makes_held_sessions_give_way(start_sidecar, tmp_path, llama3):
+    """Conversations share the memory budget: opening and growing one releases sessions restored at
+    start (their records stay, restored on demand and exact), as a session op does."""
+    from toktier import chat
+
+    state = tmp_path / "state"
+    texts = {f"s{i}": large_text(100_000, seed=80 + i, kind="english") for i in range(2)}
+    st = start_sidecar(state_dir=str(state))
+    write_sessions(st, state, texts)
+    st.stop()
+    budget = int(3 * max(os.path.getsize(record_path(state, sid)) for sid in texts))
+    st.config = dataclasses.replace(st.config, memory_budget=budget)
+    st.start()
+    assert preloaded(st)["restored"] == 2
+    pre = st.sidecar.preload
+    messages = [{"role": "user", "content": large_text(40_000, seed=99, kind="english")}]
+    with Client(st.path) as c:
+        h = c.conversation("conv", tokenizer="llama3")
+        r = h.append_messages(messages)
+        want = llama3.encode(chat.render(messages, chat.template_for(llama3), add_generation_prompt=True))
+        assert np.array_equal(r.ids, want)
+        assert preload(st)["released"] >= 1
+        assert st.sidecar.service.store.stats().bytes_held + pre.bytes <= budget
+        for sid in texts:  # released or still held: either way exact, and no record was lost
+            assert os.path.exists(record_path(state, sid))
+            r = c.session(sid, text=texts[sid] + " again").last
+            assert r.path in REPAIRS and np.array_equal(r.ids, llama3.encode(texts[sid] + " again")), sid
