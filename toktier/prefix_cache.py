@@ -373,14 +373,7 @@ class PrefixCache:
                 return r
         data = _to_utf8(text)
         nchars = len(text)
-        B = BLOCK_BYTES
-        mv = memoryview(data)
-        anchors: list[int] = []
-        h = 0
-        for lo in range(0, len(data) - B + 1, B):
-            h = _chain(h, mv[lo : lo + B])
-            anchors.append(h)
-        key = _chain(h, mv[len(anchors) * B :])
+        anchors, key = self._anchors_of(data)
         with self._lock:
             if self._enable_l0:
                 hit = self._l0_lookup(key, data)
@@ -861,8 +854,7 @@ class PrefixCache:
 
     @staticmethod
     def _anchors_of(data: bytes) -> tuple[list[int], int]:
-        """The block anchors and the whole-text key of `data`, as `encode` computes them (kept
-        apart from `encode`'s inlined loop, which is tuned on its own)."""
+        """The block anchors and the whole-text key of `data` (`encode`'s and `adopt`'s lookups)."""
         B = BLOCK_BYTES
         mv = memoryview(data)
         anchors: list[int] = []
