@@ -11,10 +11,16 @@ hook) and the handlers registered in :data:`toktier_sidecar.service.HANDLERS`.  
   ``max_sessions``, tombstones (a miss says why: ``closed``, ``ttl``, ``memory``...), but
   ids of their own: a session and a conversation may share an id, and a ``Close`` never
   ends a conversation (``ConvClose`` does).
-* **Not persisted.**  ``--state-dir`` keeps sessions only: no conversation key can name a
-  record (a record's namespace is a uid or ``"*"``, never a list), conversations never tell
-  the state directory of a change, and they end at shutdown like any state without a record
-  (counted as ``toktier_conversations_ended_total{cause="shutdown"}`` and logged).
+* **Persisted like sessions.**  With ``--state-dir`` / ``--state-store`` a conversation's
+  record (:mod:`toktier.conversation_record`: its settings, template source, messages and
+  sampled runs, and its IDs' count and CRC-32; not its text or IDs) is written behind on the
+  sessions' schedule (:class:`ConvSnapshot`), removed when it ends (on any end in the
+  directory, on ``ConvClose`` in a shared store) and kept at shutdown.  After a restart (or on
+  another node sharing the store) the conversation's first op restores it (:meth:`Conversations.restore`):
+  a replay, i.e. one render and encode of the whole conversation (a session start's cost, not
+  a repair's), whose IDs must equal the recorded count and CRC or the record is a miss.
+  Conversation records are never preloaded at start.  A record whose ``seq`` is behind the
+  client's ``expect_seq`` is stale (a miss), as for sessions.
 * **Shared memory.**  Each conversation owns a :class:`~toktier_sidecar.shm.SessionArena`.
   The core keeps its own ID array, so after each op the IDs from ``first_changed`` on are
   copied into the segment (O(changed tokens); the whole array only when the segment grows,
@@ -46,6 +52,8 @@ import numpy as np
 
 import toktier
 from toktier import chat
+from toktier.conversation_record import ConversationRecord, encode_conversation_record
+from toktier.persist import ForeignRecord
 from toktier.store import EndCause, SessionMiss
 from toktier_client import protocol as P
 from toktier_client.shm import HEADER_BYTES, RETIRED_SEQ
@@ -54,14 +62,15 @@ from .errors import BadRequest, ResourceExhausted, SessionConflict, TokenizerMis
 from .service import SESSION_OVERHEAD_BYTES, Answer, Call, Handler, Plan, Sample, SessionKey, SessionService, \
     handles
 from .shm import Segment, SessionArena
+from .statedir import CONVERSATION_KIND, StaleRecord
 
 if TYPE_CHECKING:
-    from toktier.conversation import Conversation
+    from toktier.conversation import Conversation, ConversationState
 
 log = logging.getLogger(__name__)
 
 #: The first part of every conversation key's namespace (a list in JSON: never a session record's).
-KIND = "conversation"
+KIND = CONVERSATION_KIND
 #: Compiled chat templates kept per server (LRU): registered ones and distinct caller sources.
 MAX_TEMPLATES = 64
 #: Deepest nesting of a message or template variable (tool schemas nest ~10 levels).
@@ -188,6 +197,13 @@ class ConvSlot:
     last_op_key: str = ""
     last_out: ConvOutcome | None = None
 
+    def snapshot(self, key: SessionKey) -> "ConvSnapshot":
+        """Loop thread, no op running on it: what its record is made of (O(messages) references
+        and one copy of the IDs; encoded on the writer thread)."""
+        conv = self.conv
+        return ConvSnapshot(self.tokenizer, key.namespace[1], key.session, self.seq, self.last_op_key,
+                            self.options.template, conv.state(), np.array(conv.ids, dtype=np.uint32))
+
     def ended(self, cause: EndCause) -> None:
         """The store ended it (close, TTL, memory, capacity, shutdown): views read as stale, the
         segment's name goes, the count drops (called through ``SessionService._ended``)."""
@@ -195,6 +211,30 @@ class ConvSlot:
             _retire(self.published)
         self.arena.release()
         self.book.ended(cause)
+
+
+class ConvSnapshot(NamedTuple):
+    """A conversation's state for its record, taken on the loop thread (``ConvSlot.snapshot``)."""
+
+    tok: toktier.FrozenTokenizer
+    namespace: Hashable  # the peer's (the key's namespace without KIND)
+    conversation: str
+    seq: int
+    op_key: str
+    template_ref: tuple[str, str]
+    state: "ConversationState"
+    ids: np.ndarray
+
+    @property
+    def label(self) -> str:
+        return f"conversation {self.conversation[:64]!r}"
+
+    def encode(self) -> bytes:
+        """Writer thread: the record's bytes."""
+        rec = ConversationRecord.from_state(self.state, self.ids, self.tok, namespace=cast(Any, self.namespace),
+                                            conversation=self.conversation, seq=self.seq, op_key=self.op_key,
+                                            template_ref=self.template_ref)
+        return encode_conversation_record(rec)
 
 
 def conversation_nbytes(text: str, tokens: int, messages: int, runs: bool, segment: int, overhead: int) -> int:
@@ -261,13 +301,6 @@ class Conversations:
         self.live -= 1
         self.ended_by_cause[cause.value] += 1
 
-    def shutdown_report(self, persisting: bool) -> None:
-        """Loop thread, after the store was cleared at shutdown: say what was not kept."""
-        n = self.ended_by_cause[EndCause.SHUTDOWN.value]
-        if n and persisting:
-            log.warning("%d conversations ended at shutdown: --state-dir and --state-store keep sessions only, "
-                        "never conversations", n)
-
     # --------------------------------------------------------------- options
     def options(self, tok: toktier.FrozenTokenizer, req: P.ConvOpen) -> ConvOptions:
         """Loop thread: validate the open's options (BadRequest naming the field)."""
@@ -320,6 +353,7 @@ class Conversations:
         def done(out: ConvOutcome) -> Answer:
             self.finish(svc, key, slot)
             slot.last_op_key, slot.last_out = op_key, out
+            svc.changed(key)  # its record is written behind
             return self.answer(rid, slot, out)
 
         def failed(exc: BaseException) -> None:
@@ -403,11 +437,43 @@ class Conversations:
             raise
         return new, out
 
-    def add(self, svc: SessionService, key: SessionKey, slot: ConvSlot) -> None:
-        """Loop thread: register a created conversation (may evict others)."""
+    def add(self, svc: SessionService, key: SessionKey, slot: ConvSlot, *, restored: bool = False) -> None:
+        """Loop thread: register a created (or restored) conversation (may evict others); a created
+        one's record is written behind."""
         svc.store.add(key, slot, slot.nbytes)
         svc.on_resized()
         self.added()
+        if not restored:
+            svc.changed(key)
+
+    def restore(self, svc: SessionService, rec: ConversationRecord, key: SessionKey, expect_seq: int) -> ConvSlot:
+        """Any thread: the conversation of a record, replayed (``ConversationRecord.restore``: one
+        render and encode of the whole conversation, its IDs checked against the record's).
+        Raises ForeignRecord (another key, tokenizer or build), StaleRecord (behind the client's
+        ``expect_seq``), as a session's restore does."""
+        if key.namespace != (KIND, rec.namespace) or key.session != rec.conversation:
+            raise ForeignRecord("record belongs to another conversation (renamed file, copied key or hash collision)")
+        if expect_seq > rec.seq:
+            raise StaleRecord(f"record of conversation {rec.conversation[:64]!r} is at seq {rec.seq}, "
+                              f"the client at {expect_seq}")
+        if _text_chars(rec.messages) > svc.config.max_session_chars:
+            raise ForeignRecord("record's messages exceed this server's max_session_chars")
+        tok = svc.record_tokenizer(rec.tokenizer_hash, rec.tokenizer_name, "all")
+        ref = cast("tuple[str, str]", tuple(rec.template_ref))
+        with self._lock:
+            compiled = self._templates.get(ref)  # reused when it is the recorded template exactly
+        conv = rec.restore(tok, template=compiled, full_path=svc.full_path)
+        kwargs = msgspec.msgpack.encode(dict(sorted(rec.render_kwargs.items())))
+        opts = ConvOptions(tok.hash, ref, kwargs, rec.match, rec.add_generation_prompt, tuple(rec.stop_texts))
+        slot = ConvSlot(conv, svc.pool.session_arena(), tok, opts, self, overhead=_overhead(key))
+        slot.seq = rec.seq - 1  # publish makes it the record's
+        try:
+            out = self.publish(slot, conv.ids, 0, 0, conv.drift, conv.num_messages, conv.text)
+        except BaseException:
+            slot.arena.release()
+            raise
+        slot.last_op_key, slot.last_out = rec.op_key, out
+        return slot
 
 
 class ConversationMiss(SessionMiss):
@@ -687,4 +753,5 @@ class ConvCloseHandler(_ConvOp[P.ConvClose]):
 
     def plan(self, svc: SessionService, call: Call, req: P.ConvClose) -> Plan:
         assert call.key is not None
-        return Plan.answer(P.Closed(id=req.id, existed=svc.close(call.key)))
+        existed = svc.close(call.key) or svc.forget(call.key)  # forget: a record not restored yet
+        return Plan.answer(P.Closed(id=req.id, existed=existed))

@@ -102,7 +102,7 @@ class _StateCollector:
         yield GaugeMetricFamily("toktier_conversations_live", "Conversations currently open (in the session "
                                 "store, next to the sessions)", value=s.get("conversations", 0))
         conv_ended = CounterMetricFamily("toktier_conversations_ended", "Conversations ended, by cause (shutdown: "
-                                         "conversations are never persisted, not even with --state-dir)",
+                                         "their records are kept with --state-dir / --state-store)",
                                          labels=["cause"])
         for cause, n in s.get("conversations_ended", {}).items():
             conv_ended.add_metric([cause], n)
@@ -207,8 +207,8 @@ class Metrics:
                                  tk, **r)
         self.fallbacks = Counter("toktier_full_path_fallbacks", "Ops on an open session re-tokenized in full, by "
                                  "the core's reason", ["tokenizer", "reason"], **r)
-        self.state_restores = Counter("toktier_state_restore", "Session records (--state-dir, --state-store) an "
-                                      "op tried to restore, by result: ok, or a miss (corrupt, foreign, stale, "
+        self.state_restores = Counter("toktier_state_restore", "Session and conversation records (--state-dir, "
+                                      "--state-store) an op tried to restore, by result: ok, or a miss (corrupt, foreign, stale, "
                                       "invalid, error, store_error) answered like a session that is not open",
                                       ["result"], **r)
         self.state_store_ops = Counter("toktier_state_store_ops", "Calls to the shared state store (--state-store), "

@@ -31,7 +31,9 @@ moves bytes and decides where work runs, the same way for every request
   (:mod:`toktier_sidecar.statestore`) the first op on a session this server does not hold goes
   through its lane and restores the session's record in a bulk worker first (``_restore``: the
   directory's record from an earlier run, else the shared store's); a record that fails a check
-  is counted (and removed when it can never serve), and the op misses as without state.  With
+  is counted (and removed when it can never serve), and the op misses as without state.  A
+  conversation's first op here restores its record the same way (a replay: one render and encode
+  of the whole conversation, ``toktier_sidecar.conversations``); conversations are never preloaded.  With
   ``--state-dir`` the tokenizer caches' L1 entries are read back at start, before serving
   (``_restore_caches``), and written behind every ``state_cache_flush_interval`` seconds.
 * Restore at start (``--state-dir``, ``state_preload``, on by default; ``_preload_records``):
@@ -66,6 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Coroutine, Hashable, cast
 
 import toktier
+from toktier.conversation_record import decode_conversation_record
 from toktier.persist import ForeignRecord, decode_record
 from toktier.session import PRIME_HEADROOM
 from toktier_client import protocol as P
@@ -82,8 +85,8 @@ from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, Sessio
 from .shadow import Shadow, ShadowConfig
 from .shm import ArenaPool, InstanceLock, Segment, sweep_stale
 from .statedir import (
-    BUSY, Backend, CacheFiles, Held, Preload, Snapshot, StaleRecord, StateDir, WriteBehind, check_record,
-    record_name, restore_result,
+    BUSY, Backend, CacheFiles, Held, Preload, Record, StaleRecord, StateDir, WriteBehind, check_record,
+    is_conversation, record_name, restore_result,
 )
 from .statestore import StateStore, StoreUnavailable, parse_store_url
 
@@ -565,11 +568,11 @@ class Sidecar:
     def _restorable(self, key: SessionKey, req: P.Request) -> bool:
         """Loop thread, no I/O: a record may wait for this session, and it is not open here (a
         record of an earlier run in the state dir, or any session with a shared store)."""
-        if self.state is None or isinstance(req, P.CONVERSATION_OPS) or self.service.store.peek(key) is not None:
-            return False  # conversations are not persisted (toktier_sidecar.conversations)
-        if self.state_store is not None:
-            return not isinstance(req, P.Close)  # a Close deletes the shared record without reading it
-        return self.state_dir is not None and bool(self.state_dir.index) and self.state_dir.indexed(key)
+        if self.state is None or self.service.store.peek(key) is not None:
+            return False
+        if self.state_store is not None:  # a Close deletes the shared record without reading it
+            return not isinstance(req, (P.Close, P.ConvClose))
+        return self.state_dir is not None and self.state_dir.indexed(key)
 
     async def _restore(self, key: SessionKey, req: P.Request) -> None:
         """In the session's lane, before its first op here: open the session from its record.
@@ -578,7 +581,11 @@ class Sidecar:
         that fails any check is counted and treated as absent (removed when it can never serve:
         corrupt, invalid, and the dir's record whatever failed); the op then misses as it would
         without state.  A Close forgets the record itself; a recovery re-create (``create_only``)
-        replaces it.  Suspends only to read (or to wait for the preload's read of this record)."""
+        replaces it.  Suspends only to read (or to wait for the preload's read of this record).
+        A conversation's record is restored the same way, never preloaded (``_restore_conversation``)."""
+        if is_conversation(key.namespace):
+            await self._restore_conversation(key, req)
+            return
         pre = self.preload
         name = record_name(key.namespace, key.session) if pre is not None and self.state_dir is not None else ""
         if name:
@@ -751,12 +758,35 @@ class Sidecar:
                 return None
         return SessionKey(rec.namespace, rec.session), self.service.run_restore(rec, -1)
 
+    async def _restore_conversation(self, key: SessionKey, req: P.Request) -> None:
+        """``_restore`` for a conversation: its record is read and replayed in a bulk worker (the
+        directory's first, then the store's); a ConvClose leaves the records to its handler
+        (``forget``); a ``create_only`` ConvOpen replaces the directory's record."""
+        if isinstance(req, P.ConvClose):
+            return
+        create_only = isinstance(req, P.ConvOpen) and req.create_only
+        expect = getattr(req, "expect_seq", -1)
+        sd, ss = self.state_dir, self.state_store
+        if sd is not None and sd.claim(key):
+            if create_only:
+                self.state.submit(sd.delete, key)
+                return
+            if await self._restore_from(sd, key, expect):
+                return
+        if ss is not None and not create_only:
+            await self._restore_from(ss, key, expect)
+
     async def _restore_from(self, backend: Backend, key: SessionKey, expect: int) -> bool:
-        """Restore ``key`` from ``backend``; True when the session is open now."""
+        """Restore ``key`` from ``backend``; True when the session (or conversation) is open now."""
+        conv = is_conversation(key.namespace)
+        book = self.service.conversations
+
         def load() -> Any:
             data = backend.load(key)
             if data is None:
                 return None
+            if conv:
+                return book.restore(self.service, decode_conversation_record(data), key, expect)
             return self.service.run_restore(check_record(decode_record(data), key), expect)
 
         try:
@@ -769,10 +799,11 @@ class Sidecar:
             self.metrics.state_restores.labels(result).inc()
             if not backend.shared or result in ("corrupt", "invalid"):  # a stale or foreign shared record may
                 self.state.submit(backend.delete, key)                  # serve another client or node
+            what = "conversation" if conv else "session"
             if result == "error":
-                log.error("restoring session %r from %s failed", key.session[:64], backend.name, exc_info=exc)
+                log.error("restoring %s %r from %s failed", what, key.session[:64], backend.name, exc_info=exc)
             else:
-                log.warning("session record of %r in %s not used (%s): %s", key.session[:64], backend.name, result,
+                log.warning("%s record of %r in %s not used (%s): %s", what, key.session[:64], backend.name, result,
                             exc)
             return False
         if slot is None:
@@ -780,10 +811,13 @@ class Sidecar:
         if self.service.store.peek(key) is not None:  # cannot happen in its lane; never replace a live session
             slot.arena.release()
             return True
-        self.service.add(key, slot)
+        if conv:
+            book.add(self.service, key, slot, restored=True)
+        else:
+            self.service.add(key, slot)
         self.metrics.state_restores.labels("ok").inc()
-        log.debug("session %r restored from %s at seq %d (%d tokens)", key.session[:64], backend.name, slot.seq,
-                  slot.session.num_tokens)
+        log.debug("%s %r restored from %s at seq %d (%d tokens)", "conversation" if conv else "session",
+                  key.session[:64], backend.name, slot.seq, slot.conv.num_tokens if conv else slot.session.num_tokens)
         return True
 
     async def _restore_caches(self, paths: list[str]) -> None:
@@ -852,7 +886,7 @@ class Sidecar:
             if self.cache_files.changed(key, cache):
                 self.state.submit(self.cache_files.write, key, cache)
 
-    def _state_snapshot(self, key: SessionKey) -> Snapshot | str | None:
+    def _state_snapshot(self, key: SessionKey) -> Record | str | None:
         """The state dir's snapshot hook: BUSY while an op on the session runs or waits."""
         if not self.lanes.idle(key):
             return BUSY

@@ -67,7 +67,7 @@ from toktier_client.shm import HEADER_BYTES, RETIRED_SEQ
 from .config import ServerConfig
 from .errors import BadRequest, Overloaded, ResourceExhausted, SessionConflict, TokenizerMismatch, TooLarge, code_for
 from .shm import ArenaPool, Segment, SessionArena
-from .statedir import Snapshot, StaleRecord, WriteBehind
+from .statedir import Record, Snapshot, StaleRecord, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -488,11 +488,16 @@ class SessionService:
         True if there was one."""
         return self.state is not None and self.state.forget(key)
 
-    def state_snapshot(self, key: SessionKey) -> Snapshot | None:
+    def state_snapshot(self, key: SessionKey) -> Record | None:
         """Loop thread, no op running on the session: a copy of its state to write (O(N)
-        memcpy); None when it is gone or bound to its connection (it ends with it anyway)."""
+        memcpy); None when it is gone or bound to its connection (it ends with it anyway).
+        A conversation's is its own (``ConvSlot.snapshot``)."""
         slot = self.store.peek(key)
-        if slot is None or slot.bound_to is not None:
+        if slot is None:
+            return None
+        if not isinstance(slot, Slot):  # a conversation (toktier_sidecar.conversations.ConvSlot)
+            return slot.snapshot(key)
+        if slot.bound_to is not None:
             return None
         s = slot.session
         return Snapshot(slot.tokenizer, key.namespace, key.session, slot.seq, s.window, s.text, s.ids.copy(),
@@ -508,12 +513,7 @@ class SessionService:
             raise StaleRecord(f"record of session {rec.session[:64]!r} is at seq {rec.seq}, the client at {expect_seq}")
         if len(rec.text) > 4 * self.config.max_session_chars:
             raise ForeignRecord("record text exceeds this server's max_session_chars")
-        try:
-            tok = self.registry.get(rec.tokenizer_hash)
-        except toktier.UnknownTokenizer:
-            tok = self.find_tokenizer(rec.tokenizer_name, cast(P.Specials, rec.specials))
-            if tok is None:
-                tok = self.load_tokenizer(rec.tokenizer_name, cast(P.Specials, rec.specials))
+        tok = self.record_tokenizer(rec.tokenizer_hash, rec.tokenizer_name, cast(P.Specials, rec.specials))
         arena = self.pool.session_arena()
         try:
             session = restore_session(tok, rec, window=rec.window or None, allocator=arena.allocate,
@@ -530,6 +530,15 @@ class SessionService:
         except BaseException:
             arena.release()
             raise
+
+    def record_tokenizer(self, tok_hash: str, name: str, specials: P.Specials) -> toktier.FrozenTokenizer:
+        """Any thread: the tokenizer a record names, loaded by name if it is not served yet (the
+        caller checks the hash: a bundled file that changed since is another tokenizer)."""
+        try:
+            return self.registry.get(tok_hash)
+        except toktier.UnknownTokenizer:
+            tok = self.find_tokenizer(name, specials)
+            return tok if tok is not None else self.load_tokenizer(name, specials)
 
     def bind(self, key: SessionKey, caller: Caller) -> None:
         """Loop thread: the session ends when ``caller``'s connection does."""
@@ -646,16 +655,15 @@ class SessionService:
 
     def shutdown(self) -> None:
         self.store.clear(EndCause.SHUTDOWN)
-        self.conversations.shutdown_report(persisting=self.state is not None)
         self.pool.unlink_all()
 
     def _ended(self, key: Hashable, slot: Slot, cause: EndCause) -> None:
-        if not isinstance(slot, Slot):  # a conversation: its own bookkeeping, and never a record
+        if not isinstance(slot, Slot):  # a conversation: its own bookkeeping, then its record as a session's
             slot.ended(cause)
-            return
-        if slot.published is not None:  # clients still viewing it learn that it is stale
-            _retire(slot.published)
-        slot.arena.release()
+        else:
+            if slot.published is not None:  # clients still viewing it learn that it is stale
+                _retire(slot.published)
+            slot.arena.release()
         if self.state is not None and cause is not EndCause.SHUTDOWN:  # shutdown keeps records for the next run
             self.state.ended(cast(SessionKey, key), closed=cause is EndCause.CLOSED)
         if cause is not EndCause.CLOSED:

@@ -60,7 +60,11 @@ from toktier.persist import (
 log = logging.getLogger(__name__)
 
 SUFFIX = ".rec"
+#: A conversation's record (:mod:`toktier.conversation_record`): restored by its first op only.
+CONV_SUFFIX = ".conv"
 CACHE_SUFFIX = ".l1"
+#: The first part of a conversation key's namespace (``toktier_sidecar.conversations``).
+CONVERSATION_KIND = "conversation"
 BUSY: Literal["busy"] = "busy"
 
 
@@ -95,6 +99,27 @@ class Snapshot(NamedTuple):
     ids: np.ndarray
     op_key: str
 
+    @property
+    def label(self) -> str:
+        return f"session {self.session[:64]!r}"
+
+    def encode(self) -> bytes:
+        """Writer thread: the record's bytes (encoded and checksummed once for every backend)."""
+        rec = SessionRecord.from_parts(self.tok, namespace=self.namespace, session=self.session, seq=self.seq,
+                                       window=self.window, text=self.text.encode("utf-8"), ids=self.ids,
+                                       op_key=self.op_key, nchars=len(self.text))
+        return encode_record(rec)
+
+
+class Record(Protocol):
+    """What the write-behind writes: a session's :class:`Snapshot`, or a conversation's
+    (``toktier_sidecar.conversations.ConvSnapshot``)."""
+
+    @property
+    def label(self) -> str: ...
+
+    def encode(self) -> bytes: ...
+
 
 class IndexEntry(NamedTuple):
     """A record found at start and not claimed yet: its file's mtime (wall clock) and size."""
@@ -123,8 +148,14 @@ class Backend(Protocol):
 
 
 def record_name(namespace: Hashable, session: str) -> str:
-    """The file name of a session's record: a hash, so no client id ever becomes a path."""
-    return key_digest(namespace, session) + SUFFIX
+    """The file name of a session's (or conversation's) record: a hash, so no client id ever
+    becomes a path; conversations' end in ``CONV_SUFFIX``."""
+    return key_digest(namespace, session) + (CONV_SUFFIX if is_conversation(namespace) else SUFFIX)
+
+
+def is_conversation(namespace: Hashable) -> bool:
+    """Whether a key's namespace is a conversation's (``(CONVERSATION_KIND, peer namespace)``)."""
+    return isinstance(namespace, tuple) and len(namespace) == 2 and namespace[0] == CONVERSATION_KIND
 
 
 def key_digest(namespace: Hashable, session: str) -> str:
@@ -175,8 +206,10 @@ class StateDir:
     def __init__(self, path: str, *, ttl: float) -> None:
         self.path = ensure_state_dir(path)
         self.ttl = ttl
-        #: Records found at start and not yet claimed: file name -> its mtime and size.
+        #: Session records found at start and not yet claimed: file name -> its mtime and size.
         self.index: dict[str, IndexEntry] = {}
+        #: The same for conversation records (never preloaded: restored by their first op).
+        self.conv_index: dict[str, IndexEntry] = {}
         self.write_errors = 0
 
     def file(self, name: str) -> str:
@@ -193,37 +226,48 @@ class StateDir:
             for e in entries:
                 if e.name.endswith(".tmp") and e.name.startswith("."):
                     _unlink(e.path)
-                elif e.name.endswith(SUFFIX) and e.is_file(follow_symlinks=False):
+                elif e.name.endswith((SUFFIX, CONV_SUFFIX)) and e.is_file(follow_symlinks=False):
                     st = e.stat(follow_symlinks=False)
                     if now - st.st_mtime > self.ttl:
                         _unlink(e.path)
                         expired += 1
                     else:
-                        self.index[e.name] = IndexEntry(st.st_mtime, st.st_size)
+                        self._index_of(e.name)[e.name] = IndexEntry(st.st_mtime, st.st_size)
                 elif e.name.endswith(CACHE_SUFFIX) and e.is_file(follow_symlinks=False):
                     caches.append(e.path)
-        log.info("state dir %s: %d session records (%.1f MB; %d expired removed), %d cache files", self.path,
-                 len(self.index), sum(e.size for e in self.index.values()) / 1e6, expired, len(caches))
+        mb = lambda index: sum(e.size for e in index.values()) / 1e6  # noqa: E731
+        log.info("state dir %s: %d session records (%.1f MB), %d conversation records (%.1f MB); %d expired "
+                 "removed; %d cache files", self.path, len(self.index), mb(self.index), len(self.conv_index),
+                 mb(self.conv_index), expired, len(caches))
         return caches
+
+    def _index_of(self, name: str) -> dict[str, IndexEntry]:
+        return self.conv_index if name.endswith(CONV_SUFFIX) else self.index
 
     def expired(self) -> list[str]:
         """Unindex unclaimed records older than the TTL (their sessions would have expired);
         the caller removes them in order with the writes."""
         cutoff = time.time() - self.ttl
-        old = [name for name, e in self.index.items() if e.mtime < cutoff]
-        for name in old:
-            del self.index[name]
+        old = []
+        for index in (self.index, self.conv_index):
+            stale = [name for name, e in index.items() if e.mtime < cutoff]
+            for name in stale:
+                del index[name]
+            old += stale
         return old
 
     def indexed(self, key: SessionKey) -> bool:
-        return bool(self.index) and record_name(key.namespace, key.session) in self.index
+        name = record_name(key.namespace, key.session)
+        index = self._index_of(name)
+        return bool(index) and name in index
 
     def claim(self, key: SessionKey) -> bool:
-        """True if the session had an unclaimed record (now claimed: ``load`` reads it)."""
-        return self.index.pop(record_name(key.namespace, key.session), None) is not None
+        """True if the session (or conversation) had an unclaimed record (now claimed: ``load`` reads it)."""
+        return self.unindex(key)
 
     def unindex(self, key: SessionKey) -> bool:
-        return self.index.pop(record_name(key.namespace, key.session), None) is not None
+        name = record_name(key.namespace, key.session)
+        return self._index_of(name).pop(name, None) is not None
 
     def load(self, key: SessionKey) -> bytes | None:
         return self.read(record_name(key.namespace, key.session))
@@ -383,7 +427,7 @@ class WriteBehind:
         self.flush_delay = flush_delay
         #: Set by the server (loop thread): a copy of the session's state; None when it is not
         #: to be written (gone, or bound to its connection); BUSY while an op runs on it.
-        self.snapshot: Callable[[SessionKey], Snapshot | Literal["busy"] | None] = lambda key: None
+        self.snapshot: Callable[[SessionKey], Record | Literal["busy"] | None] = lambda key: None
         self._pending: dict[SessionKey, _Pending] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="toktier-state")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -430,7 +474,7 @@ class WriteBehind:
         if snap is None:
             del self._pending[key]
             return
-        if snap == BUSY:  # try again later (the running op may fail and never reschedule)
+        if isinstance(snap, str):  # BUSY: try again later (the running op may fail and never reschedule)
             p.timer = self._loop.call_later(self.flush_delay, self._fire, key, p)
             return
         p.dirty, p.inflight = False, True
@@ -446,15 +490,12 @@ class WriteBehind:
         else:
             del self._pending[key]
 
-    def _write(self, key: SessionKey, snap: Snapshot) -> None:
+    def _write(self, key: SessionKey, snap: Record) -> None:
         """Writer thread: encode and checksum one snapshot once, then save it everywhere."""
         try:
-            rec = SessionRecord.from_parts(snap.tok, namespace=snap.namespace, session=snap.session, seq=snap.seq,
-                                           window=snap.window, text=snap.text.encode("utf-8"), ids=snap.ids,
-                                           op_key=snap.op_key, nchars=len(snap.text))
-            data = encode_record(rec)
+            data = snap.encode()
         except Exception:
-            log.exception("encoding the record of session %r failed", snap.session[:64])
+            log.exception("encoding the record of %s failed", snap.label)
             return
         for b in self.backends:
             b.save(key, data)
@@ -468,7 +509,7 @@ class WriteBehind:
                 p.timer = None
             if p.dirty:
                 snap = self.snapshot(key)
-                if isinstance(snap, Snapshot):
+                if snap is not None and not isinstance(snap, str):
                     self._writer.submit(self._write, key, snap)
         self._pending.clear()
         self._writer.shutdown(wait=True)

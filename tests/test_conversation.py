@@ -361,7 +361,7 @@ _OPS = st.lists(st.tuples(st.sampled_from(["append", "edit", "drop", "rollback",
                           st.lists(_message(True), min_size=1, max_size=3)), min_size=1, max_size=8)
 
 
-def _run_ops(name: str, ops, tally) -> None:
+def _run_ops(name: str, ops, tally) -> Conversation:
     tok, template = family(name)
     conv = Conversation(tok, template)
     for kind, at, msgs in ops:
@@ -384,6 +384,7 @@ def _run_ops(name: str, ops, tally) -> None:
             result = conv.append_messages(msgs)
         check(conv, result, tally)
         check_first_changed(before, result)
+    return conv
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -448,7 +448,7 @@ _OP = st.tuples(st.sampled_from(["user", "tool", "gen", "gen_split", "gen_trunc"
                 st.integers(0, 1 << 16), _WORDS)
 
 
-def _run_tito_ops(name: str, ops, tally) -> None:
+def _run_tito_ops(name: str, ops, tally) -> Model:
     m = Model(name)
     m.conv.append_messages([{"role": "user", "content": "start"}])
     for kind, at, text in ops:
@@ -480,6 +480,7 @@ def _run_tito_ops(name: str, ops, tally) -> None:
             m.conv = m.conv.fork()
             r = m.conv.append_messages([{"role": "user", "content": text}])
         m.check(r, tally)
+    return m
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3_1", "glm_special", "minimax_text"])

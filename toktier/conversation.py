@@ -173,6 +173,25 @@ class GeneratedRun:
     marker: str = field(repr=False)
 
 
+@dataclass(frozen=True, eq=False)
+class ConversationState:
+    """Everything a conversation's IDs are a function of (see the module docstring's definition),
+    detached from it: its settings, the stored messages (plain dicts, never mutated: shared, not
+    copied) and its pinned runs as (message index, sampled IDs as given).  `Conversation.state`
+    takes it in O(messages); `Conversation.replay` rebuilds an equal conversation from it
+    (`toktier.conversation_record` stores it)."""
+
+    template: ChatTemplate
+    render_kwargs: Mapping[str, Any]
+    match: str
+    add_generation_prompt: bool
+    stop_texts: tuple[str, ...]
+    track_drift: bool
+    incremental: bool
+    messages: tuple[dict, ...]
+    runs: tuple[tuple[int, np.ndarray], ...]
+
+
 @dataclass
 class RenderStats:
     """How the conversation's ops rendered: through a window of the messages, or everything."""
@@ -492,6 +511,47 @@ class Conversation:
         new._shadow_text, new._shadow_end = self._shadow_text, self._shadow_end
         new._equal_upto = self._equal_upto
         return new
+
+    def state(self) -> ConversationState:
+        """This conversation's state, detached (O(messages): the messages and sampled IDs are
+        shared, both immutable); `replay` makes a conversation with the same IDs from it."""
+        return ConversationState(self.template, self.render_kwargs, self.match, self.add_generation_prompt,
+                                 self._stop_texts, self.track_drift, self.incremental, tuple(self._messages),
+                                 tuple((run.message_index, run.sampled) for run in self._runs))
+
+    @classmethod
+    def replay(cls, tokenizer: FrozenTokenizer, state: ConversationState, *,
+               full_path: FullPath | None = None) -> "Conversation":
+        """A conversation equal to the one `state` was taken from: its messages appended and its
+        runs pinned in order (each run with its recorded message), so its IDs, text, drift and
+        messages are the same by the definition above (what led there, set_messages branches and
+        rollbacks included, leaves nothing else behind).  One render and encode of the whole
+        conversation, plus one windowed op per run: a session start's cost, not a repair's.  The
+        drift reference is built once at the end (one full render and encode), not kept up to
+        date op by op."""
+        conv = cls(tokenizer, state.template, match=state.match, add_generation_prompt=state.add_generation_prompt,
+                   stop_texts=state.stop_texts, full_path=full_path, track_drift=False,
+                   incremental=state.incremental, **state.render_kwargs)
+        messages, at = state.messages, 0
+        for index, sampled in state.runs:
+            if not at <= index < len(messages) or messages[index].get("role") != "assistant":
+                raise InvalidConversationOp(f"a pinned run at message {index} needs an assistant message there, "
+                                            f"after message {at} (the state holds {len(messages)} messages)")
+            if index > at:
+                conv.append_messages(messages[at:index])
+            conv.append_generated(sampled, message=messages[index])
+            at = index + 1
+        if at < len(messages):
+            conv.append_messages(messages[at:])
+        conv.track_drift = state.track_drift
+        if conv.track_drift and conv._runs:  # as append_generated keeps it: the exact full render of the messages
+            gp = conv.add_generation_prompt
+            text = conv._render(conv._messages, gp)
+            conv.render_stats.full += 1
+            conv._shadow, conv._shadow_text = conv._session(text), Rope.of(text)
+            conv._shadow_end = None if gp else len(text)
+            conv._equal_upto = 0
+        return conv
 
     # -- internals -----------------------------------------------------------------------------
     def _apply(self, merged: list[dict], d: int, branched_at: int | None, *,

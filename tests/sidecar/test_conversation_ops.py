@@ -6,7 +6,7 @@ ops (ids, first_changed, first_changed_message, drift), against the reference en
 render for text-only conversations (``toktier.chat.render`` then the real tokenizer), and as a
 zero-copy view of a shared-memory mapping.  Then: the asyncio client, typed errors, the memory
 budget, the TTL, re-sent ops, ids apart from sessions, work off the event loop, metrics, the shadow
-verifier, persistence (none); hypothesis op sequences against the in-process conversation; and the
+verifier; hypothesis op sequences against the in-process conversation; and the
 new wire messages round-trip without a sidecar."""
 
 from __future__ import annotations
@@ -514,29 +514,6 @@ def test_shadow_verifier_checks_text_only_conversations(start_sidecar, toks):
     assert verifier.stats.mismatches == 0
 
 
-def test_conversations_are_not_persisted(start_sidecar, tmp_path, caplog):
-    """--state-dir keeps the session, never the conversation of the same id: it ends at shutdown,
-    counted and logged, and misses after the restart."""
-    import logging
-
-    sc = start_sidecar(tokenizers=("llama3",), state_dir=str(tmp_path / "state"), state_flush_delay=0.01)
-    with Client(sc.path) as c:
-        c.session("kept", tokenizer="llama3", text="a session is kept")
-        h = c.conversation("kept", tokenizer="llama3")
-        h.append_messages([{"role": "user", "content": "a conversation is not"}])
-    service = sc.sidecar.service
-    with caplog.at_level(logging.WARNING, logger="toktier_sidecar.conversations"):
-        sc.restart()
-    assert service.conversations.ended_by_cause["shutdown"] == 1
-    assert "1 conversations ended at shutdown" in caplog.text
-    with Client(sc.path) as c:
-        with pytest.raises(E.SessionMiss) as ei:
-            c.call(P.ConvAppendMessages(id=c.next_id(), conversation="kept", messages=[]))
-        assert ei.value.reason == "unknown"
-        s = c.session("kept", tokenizer="llama3", text="a session is kept")  # restored, then synced
-        assert s.last.first_changed == len(s.last.ids)  # nothing changed: it was restored from its record
-
-
 # ------------------------------------------------------------------ properties
 # Adversarial pieces: special-token text, think tags, combining marks, astral characters, JSON
 # syntax, whitespace runs, the empty string.
@@ -610,18 +587,20 @@ def test_any_message_value_is_served_or_refused_as_bad_request(sc, value, where)
             h.close()
 
 
-def test_no_state_backend_is_ever_asked_for_a_conversation(start_sidecar, tmp_path, monkeypatch):
-    """With a shared --state-store every session op not held here looks its record up; conversation
-    ops never do (conversations are not persisted), so they cost no lookup."""
+def test_which_conversation_ops_look_a_record_up(start_sidecar, tmp_path, monkeypatch):
+    """With a shared --state-store every op on a conversation not held here looks its record up
+    (persistence: tests/sidecar/test_conversation_state.py), except ConvClose, which deletes it
+    unread; with the state dir alone only an indexed record is looked up."""
     from toktier_sidecar.conversations import conversation_key
-    from toktier_sidecar.service import SessionKey
 
     sc = start_sidecar(tokenizers=("llama3",), state_dir=str(tmp_path / "state"))
+    key = conversation_key(0, "c")
+    ops = (P.ConvOpen(id=1, conversation="c"), P.ConvAppendMessages(id=2, conversation="c", messages=[]),
+           P.ConvFork(id=3, conversation="c", new="d"))
+    assert not any(sc.sidecar._restorable(key, req) for req in ops)  # nothing indexed in the directory
     monkeypatch.setattr(sc.sidecar, "state_store", object())  # as if a store were configured
-    for req in (P.ConvOpen(id=1, conversation="c"), P.ConvAppendMessages(id=2, conversation="c", messages=[]),
-                P.ConvFork(id=3, conversation="c", new="d"), P.ConvClose(id=4, conversation="c")):
-        assert not sc.sidecar._restorable(conversation_key(0, "c"), req)
-    assert sc.sidecar._restorable(SessionKey(0, "c"), P.Append(id=5, session="c", text="x"))
+    assert all(sc.sidecar._restorable(key, req) for req in ops)
+    assert not sc.sidecar._restorable(key, P.ConvClose(id=4, conversation="c"))
 
 
 def test_match_modes_on_the_wire_are_the_cores(sc, toks):

@@ -1,0 +1,217 @@
+"""Conversations outlive the process: ``--state-dir`` and ``--state-store`` keep their records.
+
+A real sidecar writes each conversation's record behind (``toktier.conversation_record``); after
+a graceful restart, a SIGKILL of a real ``toktier serve``, or on another sidecar sharing a real
+Valkey/Redis server, the conversation's next op restores it (a replay) and goes on with the IDs
+the in-process ``toktier.Conversation`` doing the same ops has (text-only turns are also the
+reference encoding of the full render).  A record behind the client (a crash lost ops), a
+damaged or foreign record, are counted misses, never other IDs; ConvClose forgets a record not
+restored yet; a conversation that ends loses its record.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+import toktier
+from toktier.conversation_record import decode_conversation_record
+from toktier_client import Client
+from toktier_client import errors as E
+from toktier_client import protocol as P
+from toktier_sidecar.statedir import CONV_SUFFIX, key_digest, record_name
+from sidecar_harness import registry, start_sidecar, wait_until  # noqa: F401  (fixtures)
+from test_conversation_ops import TOOLS, same, toks  # noqa: F401  (fixture)
+from test_state_dir import restores, serve
+from test_state_store import store_server  # noqa: F401  (fixture)
+
+KIND = "conversation"
+
+
+def conv_path(state_dir, conversation: str) -> str:
+    name = record_name((KIND, os.getuid()), conversation)
+    assert name.endswith(CONV_SUFFIX)
+    return os.path.join(str(state_dir), name)
+
+
+def wait_for_conv_record(state_dir, conversation: str, seq: int, timeout: float = 30):
+    """The conversation's record once it reached ``seq`` (written behind: poll the file)."""
+    path = conv_path(state_dir, conversation)
+    box = []
+
+    def reached() -> bool:
+        try:
+            with open(path, "rb") as f:
+                rec = decode_conversation_record(f.read())
+        except (OSError, toktier.TokTierError):
+            return False
+        box.append(rec)
+        return rec.seq == seq
+    assert wait_until(reached, timeout), f"record of conversation {conversation!r} never reached seq {seq}"
+    return box[-1]
+
+
+FIRST = [{"role": "system", "content": "You are terse. 数字 🎉"}, {"role": "user", "content": "What is 2+2?"}]
+MORE = [{"role": "user", "content": "And 3+3? Say <|im_end|> literally."}]
+
+
+def test_conversation_outlives_a_graceful_restart(start_sidecar, tmp_path, toks):
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("llama3", "qwen3"), state_dir=str(state), state_flush_delay=0.01)
+    tok = toks["qwen3"]
+    local = toktier.Conversation(tok, tools=TOOLS)
+    with Client(sc.path) as c:
+        h = c.conversation("kept", tokenizer="qwen3", tools=TOOLS)
+        same(h.append_messages(FIRST), local.append_messages(FIRST))
+        gen = tok.encode("<think>\nTwo and two.\n</think>\n\n4<|im_end|>")
+        r = h.append_generated(gen)
+        same(r, local.append_generated(gen))
+        sc.restart()  # graceful: pending records are written at shutdown
+        assert os.path.exists(conv_path(state, "kept"))
+        r2 = h.append_messages(MORE)  # the same client and handle: restored, then appended
+        same(r2, local.append_messages(MORE))
+        assert r2.seq == r.seq + 1 and r2.drift == local.drift
+        assert restores(sc)["ok"] == 1
+        again = c.conversation("kept", tokenizer="qwen3", tools=TOOLS)  # attach: same options, same state
+        assert np.array_equal(again.last.ids, local.ids) and again.last.seq == r2.seq
+        with pytest.raises(E.SessionConflict):  # other options conflict, as before the restart
+            c.conversation("kept", tokenizer="qwen3")
+        gen2 = tok.encode("6<|im_end|>")
+        same(h.append_generated(gen2), local.append_generated(gen2))
+        assert h.close()
+    assert wait_until(lambda: not os.path.exists(conv_path(state, "kept")))  # it ended: its record goes
+
+
+def test_forks_and_sessions_of_the_same_id_are_kept_apart(start_sidecar, tmp_path, toks):
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("llama3",), state_dir=str(state), state_flush_delay=0.01)
+    tok = toks["llama3"]
+    local = toktier.Conversation(tok)
+    with Client(sc.path) as c:
+        c.session("same-id", tokenizer="llama3", text="a session of the same id")
+        h = c.conversation("same-id", tokenizer="llama3")
+        same(h.append_messages(FIRST), local.append_messages(FIRST))
+        fork = h.fork("forked")
+        forked = local.fork()
+        sc.restart()
+        same(fork.append_messages(MORE), forked.append_messages(MORE))
+        same(h.append_generated(tok.encode("Four.<|eot_id|>")), local.append_generated(tok.encode("Four.<|eot_id|>")))
+        s = c.session("same-id", tokenizer="llama3", text="a session of the same id")  # restored too, apart
+        assert s.last.first_changed == len(s.last.ids)
+        assert restores(sc)["ok"] == 3
+
+
+@pytest.mark.parametrize("damage,result", [("flip", "corrupt"), ("truncate", "corrupt"),
+                                           ("session_record", "corrupt"), ("behind", "stale")])
+def test_bad_conversation_records_are_counted_misses(start_sidecar, tmp_path, damage, result):
+    """Damage, a session's record under a conversation's name, and a record behind the client's
+    seq (a crash lost the last ops: the client re-sends its messages) are counted misses, never
+    other or older IDs; the directory's bad record goes."""
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("llama3",), state_dir=str(state), state_flush_delay=0.01)
+    path = conv_path(state, "bad")
+    with Client(sc.path, reconnect_timeout=30) as c:
+        h = c.conversation("bad", tokenizer="llama3")
+        r = h.append_messages(FIRST)
+        wait_for_conv_record(state, "bad", r.seq)
+        data = bytearray(open(path, "rb").read())
+        if damage == "behind":  # the record of an earlier op
+            r = h.append_messages(MORE)
+            wait_for_conv_record(state, "bad", r.seq)
+        sc.stop()
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x01
+        elif damage == "truncate":
+            del data[-10:]
+        elif damage == "session_record":  # a session's record under a conversation's name
+            from toktier.persist import SessionRecord, encode_record
+            data = encode_record(SessionRecord.of(toktier.Session(toktier.load_tokenizer("llama3"), "x"),
+                                                  namespace=os.getuid(), session_id="bad", seq=r.seq))
+        open(path, "wb").write(bytes(data))
+        sc.start()
+        with pytest.raises(E.SessionMiss):
+            h.append_messages([{"role": "assistant", "content": "ok"}])
+        assert restores(sc)[result] == 1 and restores(sc)["ok"] == 0
+        assert not os.path.exists(path)
+
+
+def test_conv_close_forgets_a_record_not_restored_and_create_only_replaces_it(start_sidecar, tmp_path):
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("llama3",), state_dir=str(state), state_flush_delay=0.01)
+    with Client(sc.path) as c:
+        c.conversation("gone", tokenizer="llama3").append_messages(FIRST)
+        c.conversation("fresh", tokenizer="llama3").append_messages(FIRST)
+    sc.restart()
+    with Client(sc.path) as c:
+        assert c.call(P.ConvClose(id=c.next_id(), conversation="gone")).existed
+        assert not c.call(P.ConvClose(id=c.next_id(), conversation="gone")).existed
+        h = c.conversation("fresh", tokenizer="llama3", create_only=True)  # a new one replaces the record
+        assert len(h.last.ids) == 0 and h.last.messages == 0
+    assert restores(sc)["ok"] == 0
+    assert wait_until(lambda: not os.path.exists(conv_path(state, "gone")))
+
+
+def test_sigkill_keeps_the_written_conversation(tmp_path, toks):
+    """A real ``toktier serve`` killed with SIGKILL: the next process restores the conversation's
+    record at its first op, which goes on with the in-process conversation's IDs."""
+    tok = toks["llama3"]
+    state, sock, prefix = tmp_path / "state", str(tmp_path / "t.sock"), f"ttcv{secrets.token_hex(4)}"
+    args = [sys.executable, "-m", "toktier", "serve", "--socket", sock, "--shm-prefix", prefix,
+            "--state-dir", str(state), "--log-level", "WARNING", "--workers", "2"]
+    local = toktier.Conversation(tok)
+    proc = serve(args, sock)
+    try:
+        with Client(sock, reconnect_timeout=60) as c:
+            h = c.conversation("agent", tokenizer="llama3")
+            for i in range(6):  # a burst of turns, written behind
+                same(h.append_messages([{"role": "user", "content": f"step {i}: run the tests"}]),
+                     local.append_messages([{"role": "user", "content": f"step {i}: run the tests"}]))
+                ids = tok.encode(f"Ran {i} tests.<|eot_id|>")
+                r = h.append_generated(ids)
+                same(r, local.append_generated(ids))
+            wait_for_conv_record(state, "agent", r.seq)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            proc = serve(args, sock)
+            r2 = h.append_messages([{"role": "tool", "content": "all green"}])
+            same(r2, local.append_messages([{"role": "tool", "content": "all green"}]))
+            assert r2.seq == r.seq + 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_for_conv_record(state, "agent", r2.seq).count == len(local.ids)  # kept for next time
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_conversation_continues_on_another_sidecar(store_server, start_sidecar, toks):  # noqa: F811
+    """Two sidecars sharing one real Valkey/Redis server: a conversation opened on A goes on on B."""
+    tok = toks["qwen3"]
+    a = start_sidecar(tokenizers=("qwen3",), state_store=store_server.url, state_flush_delay=0.01)
+    b = start_sidecar(tokenizers=("qwen3",), state_store=store_server.url, state_flush_delay=0.01)
+    local = toktier.Conversation(tok)
+    with Client(a.path) as ca:
+        h = ca.conversation("roaming", tokenizer="qwen3")
+        same(h.append_messages(FIRST), local.append_messages(FIRST))
+        r = h.append_generated(tok.encode("4<|im_end|>"))
+        same(r, local.append_generated(tok.encode("4<|im_end|>")))
+    key = b"toktier:s:" + key_digest((KIND, os.getuid()), "roaming").encode()
+    store = store_server.client()
+
+    def written() -> bool:
+        data = store.get(key)
+        return data is not None and decode_conversation_record(data).seq == r.seq
+    assert wait_until(written, 30)
+    with Client(b.path) as cb:
+        hb = cb.conversation("roaming", tokenizer="qwen3")  # restored from the store, then attached
+        assert hb.last.seq == r.seq and np.array_equal(hb.last.ids, local.ids)
+        same(hb.append_messages(MORE), local.append_messages(MORE))
+        assert restores(b)["ok"] == 1
+        assert hb.close()  # ConvClose deletes the shared record
+    assert wait_until(lambda: store.exists(key) == 0)
