@@ -62,6 +62,23 @@ struct LaneResult {
   std::vector<uint32_t> mid;  // fresh tokens from the cut to the end
 };
 
+// A vector whose resize leaves new elements uninitialized: the lane's scratch buffers are
+// written in full right after they are sized, so zero-filling them first would be a wasted pass.
+template <class T>
+struct NoInit : std::allocator<T> {
+  template <class U>
+  struct rebind { using other = NoInit<U>; };
+  NoInit() = default;
+  template <class U>
+  NoInit(const NoInit<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) { ::new (static_cast<void*>(p)) U(std::forward<A>(a)...); }
+};
+using CpBuf = std::vector<uint32_t, NoInit<uint32_t>>;  // code points of a window
+using AtBuf = std::vector<int64_t, NoInit<int64_t>>;    // their byte offsets (one more: the end)
+
 // Whether b[0, n) is all ASCII (then it needs no decoding: character i is byte i).
 static inline bool all_ascii(const uint8_t* b, int64_t n) {
   uint64_t acc = 0;
@@ -75,13 +92,28 @@ static inline bool all_ascii(const uint8_t* b, int64_t n) {
   return (acc & 0x8080808080808080ull) == 0;
 }
 
-static inline bool decode_utf8(const uint8_t* b, int64_t n, std::vector<uint32_t>& cps, std::vector<int64_t>& at) {
-  cps.clear();
-  at.clear();
-  cps.reserve(size_t(n));
-  at.reserve(size_t(n));
-  int64_t i = 0;
+// Decode b[0, n) into cps and at (at[cps.size()] = n); false for invalid UTF-8.  Runs of 8
+// ASCII bytes are copied without the per-character decode (most windows are mostly ASCII).
+static inline bool decode_utf8(const uint8_t* b, int64_t n, CpBuf& cps, AtBuf& at) {
+  cps.resize(size_t(n));
+  at.resize(size_t(n) + 1);
+  uint32_t* cp = cps.data();
+  int64_t* ap = at.data();
+  int64_t i = 0, m = 0;
   while (i < n) {
+    if (i + 8 <= n) {
+      uint64_t x;
+      std::memcpy(&x, b + i, 8);
+      if ((x & 0x8080808080808080ull) == 0) {
+        for (int j = 0; j < 8; ++j) {
+          cp[m + j] = b[i + j];
+          ap[m + j] = i + j;
+        }
+        i += 8;
+        m += 8;
+        continue;
+      }
+    }
     uint32_t c = b[i];
     int k;
     if (c < 0x80) k = 1;
@@ -95,13 +127,49 @@ static inline bool decode_utf8(const uint8_t* b, int64_t n, std::vector<uint32_t
       c = (c << 6) | (b[i + j] & 0x3F);
     }
     if (c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) return false;
-    cps.push_back(c);
-    at.push_back(i);
+    cp[m] = c;
+    ap[m] = i;
+    ++m;
     i += k;
   }
-  at.push_back(n);  // at[cps.size()]: the end
+  cps.resize(size_t(m));
+  at.resize(size_t(m) + 1);
+  at[size_t(m)] = n;  // at[cps.size()]: the end
   return true;
 }
+
+// One thread's scratch buffers for `Lane::edit` (windows, their decode, the engine's output):
+// kept between calls so big appends reuse memory already paged in.
+struct Scratch {
+  std::vector<uint8_t> win, buf_new, buf_old;
+  CpBuf cps;
+  AtBuf at;
+  Output out;
+  static Scratch& mine() {
+    thread_local Scratch s;
+    return s;
+  }
+};
+
+// Gives a scratch buffer's memory back after a window far larger than usual (a 4M-character
+// start-sized window would otherwise stay held by every thread that once served one).
+struct ScratchTrim {
+  Scratch& s;
+  static constexpr size_t KEEP_BYTES = size_t(8) << 20;
+  template <class V>
+  static void trim(V& v) {
+    if (v.capacity() * sizeof(typename V::value_type) > KEEP_BYTES) V().swap(v);
+  }
+  ~ScratchTrim() {
+    trim(s.win);
+    trim(s.buf_new);
+    trim(s.buf_old);
+    trim(s.cps);
+    trim(s.at);
+    trim(s.out.ids);
+    trim(s.out.starts);
+  }
+};
 
 class Lane {
  public:
@@ -184,8 +252,8 @@ class Lane {
 
   // Whether new-text position q (a cached token start in the window) is a certified boundary.
   // (`cps`/`at` are empty for an ASCII window: character i is byte i of `win`.)
-  bool certified(int64_t q, int64_t p, const std::vector<uint8_t>& win, const std::vector<uint32_t>& cps,
-                 const std::vector<int64_t>& at, const std::vector<uint8_t>& buf_new,
+  bool certified(int64_t q, int64_t p, const std::vector<uint8_t>& win, const CpBuf& cps,
+                 const AtBuf& at, const std::vector<uint8_t>& buf_new,
                  const std::vector<uint8_t>& buf_old, int64_t lo, int64_t old_q) const {
     const int64_t wq = q - p;
     uint32_t x, y;  // the characters before and after q
@@ -213,7 +281,7 @@ class Lane {
   // Cuts of the window (code point indices) into about `k` chunks that encode independently:
   // the full path's standalone-stable boundaries (`Family.chunk_stable`: a stable pair whose left
   // character is not whitespace) that no literal occurrence crosses, searched after each target.
-  void chunk_cuts(const std::vector<uint32_t>& cps, const std::vector<int64_t>& at, const std::vector<uint8_t>& win,
+  void chunk_cuts(const CpBuf& cps, const AtBuf& at, const std::vector<uint8_t>& win,
                   int64_t k, std::vector<int64_t>& cuts) const {
     const bool ascii = cps.empty();  // then character i is byte i
     const int64_t nb = int64_t(win.size()), n = ascii ? nb : int64_t(cps.size());
@@ -235,8 +303,8 @@ class Lane {
   }
 
   // Encode the window: on this thread, or in chunks on several (`more`: extra piece caches).
-  int encode_window(const std::vector<uint8_t>& win, const std::vector<uint32_t>& cps,
-                    const std::vector<int64_t>& at, bool ascii, PieceCache& cache,
+  int encode_window(const std::vector<uint8_t>& win, const CpBuf& cps,
+                    const AtBuf& at, bool ascii, PieceCache& cache,
                     const std::vector<PieceCache*>& more, Output& out) const {
     std::vector<int64_t> cuts;
     const int64_t nb = int64_t(win.size());
@@ -296,15 +364,23 @@ class Lane {
     while (r < n_old && (T[r] & 0xC0) == 0x80) ++r;
     p = std::min(p, s);
     r = std::max(r, e);
-    // the window: new text [p, r + delta)
-    std::vector<uint8_t> win(T + p, T + s);
+    // the window: new text [p, r + delta), in this thread's scratch buffers (reused: a fresh
+    // allocation of a big window's buffers costs as much in page faults as encoding it)
+    Scratch& sc = Scratch::mine();
+    ScratchTrim trim{sc};
+    std::vector<uint8_t>& win = sc.win;
+    win.assign(T + p, T + s);
     win.insert(win.end(), data, data + n_data);
     win.insert(win.end(), T + e, T + r);
-    std::vector<uint32_t> cps;  // empty for an ASCII window (character i is byte i)
-    std::vector<int64_t> at;
+    CpBuf& cps = sc.cps;  // empty for an ASCII window (character i is byte i)
+    AtBuf& at = sc.at;
+    cps.clear();
+    at.clear();
     const bool ascii = all_ascii(win.data(), int64_t(win.size()));  // the engine reads it in place
     if (!ascii && !decode_utf8(win.data(), int64_t(win.size()), cps, at)) return res.status = LANE_BAD_UTF8;
-    Output out;
+    Output& out = sc.out;
+    out.ids.clear();
+    out.starts.clear();
     out.want_starts = true;
     if (encode_window(win, cps, at, ascii, cache, more, out) != OK) return res.status = LANE_NFC;
     const std::vector<uint32_t>& fresh = out.ids;
@@ -316,7 +392,10 @@ class Lane {
     // literal buffers: new text [lo, hi_old + delta), old text [lo, hi_old)
     const int64_t lo = std::max<int64_t>(0, p - t.max_literal);
     const int64_t hi_old = std::min<int64_t>(n_old, r + t.max_literal);
-    std::vector<uint8_t> buf_new, buf_old;
+    std::vector<uint8_t>& buf_new = sc.buf_new;
+    std::vector<uint8_t>& buf_old = sc.buf_old;
+    buf_new.clear();
+    buf_old.clear();
     if (!lit_bytes.empty()) {
       buf_old.assign(T + lo, T + hi_old);
       buf_new.assign(T + lo, T + s);
