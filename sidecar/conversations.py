@@ -18,9 +18,11 @@ hook) and the handlers registered in :data:`toktier_sidecar.service.HANDLERS`.  
   directory, on ``ConvClose`` in a shared store) and kept at shutdown.  After a restart (or on
   another node sharing the store) the conversation's first op restores it (:meth:`Conversations.restore`):
   a replay, i.e. one render and encode of the whole conversation (a session start's cost, not
-  a repair's), whose IDs must equal the recorded count and CRC or the record is a miss.
-  Conversation records are never preloaded at start.  A record whose ``seq`` is behind the
-  client's ``expect_seq`` is stale (a miss), as for sessions.
+  a repair's), whose IDs must equal the recorded count and CRC or the record is a miss.  The
+  directory's conversation records are restored at start like its sessions' (the server's
+  preload, in the background, within the memory budget), so that first op usually finds it
+  replayed already.  A record whose ``seq`` is behind the client's ``expect_seq`` is stale (a
+  miss), as for sessions.
 * **Shared memory.**  Each conversation owns a :class:`~toktier_sidecar.shm.SessionArena`.
   The core keeps its own ID array, so after each op the IDs from ``first_changed`` on are
   copied into the segment (O(changed tokens); the whole array only when the segment grows,

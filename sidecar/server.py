@@ -33,13 +33,14 @@ moves bytes and decides where work runs, the same way for every request
   directory's record from an earlier run, else the shared store's); a record that fails a check
   is counted (and removed when it can never serve), and the op misses as without state.  A
   conversation's first op here restores its record the same way (a replay: one render and encode
-  of the whole conversation, ``toktier_sidecar.conversations``); conversations are never preloaded.  With
+  of the whole conversation, ``toktier_sidecar.conversations``).  With
   ``--state-dir`` the tokenizer caches' L1 entries are read back at start, before serving
   (``_restore_caches``), and written behind every ``state_cache_flush_interval`` seconds.
 * Restore at start (``--state-dir``, ``state_preload``, on by default; ``_preload_records``):
   once serving, a background task restores the directory's records, most recently written
-  first, one at a time on a thread of its own (read, checksum, tiling: no encode), each only if
-  it fits the memory budget next to the open sessions, and pausing (up to ``PRELOAD_YIELD_S``)
+  first, one at a time on a thread of its own (read, checksum, tiling: no encode; a
+  conversation's record is replayed, which renders and encodes it), each only if it fits the
+  memory budget next to the open sessions, and pausing (up to ``PRELOAD_YIELD_S``)
   while requests are in flight.  A restored session is *held* (:class:`~toktier_sidecar.statedir.Preload`)
   until its first op, which opens it without I/O (a warm repair, answered inline when small) after
   the same checks an on-demand restore makes (stale ``seq``, ``create_only``, Close).  An op that
@@ -85,8 +86,8 @@ from .service import HANDLERS, Answer, Call, Handler, Pool, ServerCounts, Sessio
 from .shadow import Shadow, ShadowConfig
 from .shm import ArenaPool, InstanceLock, Segment, sweep_stale
 from .statedir import (
-    BUSY, Backend, CacheFiles, Held, Preload, Record, StaleRecord, StateDir, WriteBehind, check_record,
-    is_conversation, record_name, restore_result,
+    BUSY, CONV_SUFFIX, CONVERSATION_KIND, Backend, CacheFiles, Held, Preload, Record, StaleRecord, StateDir,
+    WriteBehind, check_record, is_conversation, record_name, restore_result,
 )
 from .statestore import StateStore, StoreUnavailable, parse_store_url
 
@@ -100,6 +101,10 @@ PRELOAD_YIELD_S = 0.05
 #: What a restored session holds besides its record's bytes (``Session._prime``'s room for the
 #: next op: ids and checkpoints for PRIME_HEADROOM tokens, 8x as many text bytes; the slot).
 PRELOAD_EXTRA_BYTES = 4 * PRIME_HEADROOM + 8 * PRIME_HEADROOM + 4096
+#: A restored conversation's memory (``conversation_nbytes``: two sessions over its text, the
+#: text again, its messages, its segment) per byte of its record (~1.0-1.2 bytes per character):
+#: ~8-9x for English measured, rounded up.
+CONV_MEMORY_PER_RECORD_BYTE = 10
 #: ``toktier_state_preload_sessions_total`` results, exported at 0 from the start.
 PRELOAD_RESULTS = ("restored", "claimed", "released", "skipped_budget", "raced")
 
@@ -352,7 +357,7 @@ class Sidecar:
         log.info("serving on %s (default tokenizer %s)", cfg.socket_path, self.service.default_tokenizer)
         self._ready.set()
         if self.preload is not None:  # after readiness: serving does not wait for it (module docstring)
-            if self.state_dir is not None and self.state_dir.index:
+            if self.state_dir is not None and (self.state_dir.index or self.state_dir.conv_index):
                 self._spawn(self._preload_records())
             else:
                 self.preload.finish()
@@ -457,7 +462,7 @@ class Sidecar:
                         self.preload.drop(name)
                     self.state.submit(self.state_dir.remove, name)
                 if old:
-                    log.info("removed %d session records not restored within the TTL", len(old))
+                    log.info("removed %d session and conversation records not restored within the TTL", len(old))
 
     def _enter(self) -> None:
         self._busy += 1
@@ -582,21 +587,19 @@ class Sidecar:
         corrupt, invalid, and the dir's record whatever failed); the op then misses as it would
         without state.  A Close forgets the record itself; a recovery re-create (``create_only``)
         replaces it.  Suspends only to read (or to wait for the preload's read of this record).
-        A conversation's record is restored the same way, never preloaded (``_restore_conversation``)."""
-        if is_conversation(key.namespace):
-            await self._restore_conversation(key, req)
-            return
+        A conversation's record goes the same way (held when the preload replayed it; else
+        replayed here: ``Conversations.restore``)."""
         pre = self.preload
         name = record_name(key.namespace, key.session) if pre is not None and self.state_dir is not None else ""
         if name:
             done = pre.inflight.get(name)
             if done is not None:  # the preload is reading this very record: one read, not two
                 await asyncio.shield(done)
-        if isinstance(req, P.Close):
+        if isinstance(req, (P.Close, P.ConvClose)):
             if name:
                 pre.drop(name)
             return
-        create_only = isinstance(req, P.Open) and req.create_only
+        create_only = isinstance(req, (P.Open, P.ConvOpen)) and req.create_only
         expect = getattr(req, "expect_seq", -1)
         sd, ss = self.state_dir, self.state_store
         if sd is not None and sd.claim(key):
@@ -622,8 +625,8 @@ class Sidecar:
         """Whether ``_restore`` would not suspend: the session was restored at start, and its
         first op will not fall through to the store (a stale record with a store configured)."""
         pre = self.preload
-        if pre is None or not pre.held:
-            return False
+        if pre is None or not pre.held or is_conversation(key.namespace):
+            return False  # a conversation's op size depends on it (work_chars): it goes through its lane
         held = pre.held.get(record_name(key.namespace, key.session))
         if held is None:
             return False
@@ -643,10 +646,17 @@ class Sidecar:
         if self.service.store.peek(key) is not None:  # cannot happen in its lane; never replace a live session
             _release_slot(held.slot)
             return True
-        self.service.add(key, held.slot)
+        self._add_restored(key, held.slot)
         self.metrics.state_restores.labels("ok").inc()
         self.preload.count("claimed")
         return True
+
+    def _add_restored(self, key: SessionKey, slot: Any) -> None:
+        """Loop thread: open a restored session (or conversation) in the store."""
+        if is_conversation(key.namespace):
+            self.service.conversations.add(self.service, key, slot, restored=True)
+        else:
+            self.service.add(key, slot)
 
     def _trim_held(self) -> None:
         """Loop thread, after the open sessions grew: held sessions give the room back (they come
@@ -679,10 +689,11 @@ class Sidecar:
         pre, sd = self.preload, self.state_dir
         assert pre is not None and sd is not None
         loop = asyncio.get_running_loop()
-        order = sorted(sd.index.items(), key=lambda kv: kv[1].mtime, reverse=True)
+        order = sorted([*sd.index.items(), *sd.conv_index.items()], key=lambda kv: kv[1].mtime, reverse=True)
         pre.begin(name for name, _ in order)
         total_mb = sum(e.size for _, e in order) / 1e6
-        log.info("restoring %d session records (%.1f MB) in the background, most recent first", len(order), total_mb)
+        log.info("restoring %d session and conversation records (%.1f MB) in the background, most recent first",
+                 len(order), total_mb)
         sdnotify.notify(f"STATUS=serving on {self.config.socket_path}; restoring {len(order)} sessions")
         failed: dict[str, int] = {}
         held = skipped = 0
@@ -690,17 +701,18 @@ class Sidecar:
             for name, entry in order:
                 if self.stopping:
                     break
-                if name not in pre.unreached or sd.index.get(name) is not entry:
+                index = sd.index_of(name)
+                if name not in pre.unreached or index.get(name) is not entry:
                     continue  # claimed by its first op, forgotten by a Close, or expired
                 st = self.service.store.stats()
                 room = self.config.memory_budget - st.bytes_held - pre.bytes
-                if entry.size + PRELOAD_EXTRA_BYTES > room or st.live + len(pre.held) >= self.config.max_sessions:
+                if _memory_of(name, entry.size) > room or st.live + len(pre.held) >= self.config.max_sessions:
                     pre.reached(name)
                     pre.count("skipped_budget")
                     skipped += 1
                     continue  # a smaller, older one may still fit
                 await self._yield_to_clients()
-                if self.stopping or name not in pre.unreached or sd.index.get(name) is not entry:
+                if self.stopping or name not in pre.unreached or index.get(name) is not entry:
                     continue
                 pre.reached(name)
                 done = loop.create_future()
@@ -711,8 +723,8 @@ class Sidecar:
                     result = restore_result(exc)
                     failed[result] = failed.get(result, 0) + 1
                     self.metrics.state_restores.labels(result).inc()
-                    if sd.index.get(name) is entry:  # no op claimed it meanwhile: remove it as an op would
-                        del sd.index[name]
+                    if index.get(name) is entry:  # no op claimed it meanwhile: remove it as an op would
+                        del index[name]
                         self.state.submit(sd.remove, name)
                     if result == "error":
                         log.error("restoring session record %s at start failed", name, exc_info=exc)
@@ -725,15 +737,16 @@ class Sidecar:
                 if got is None:  # gone, or of a tokenizer not loaded: left to its first op
                     continue
                 key, slot = got
-                if self.stopping or sd.index.get(name) is not entry:
+                if self.stopping or index.get(name) is not entry:
                     _release_slot(slot)
                     continue
-                pre.hold(name, Held(slot, slot.seq, slot.session.nbytes + session_overhead(key), entry.mtime))
+                nbytes = slot.nbytes if is_conversation(key.namespace) else slot.session.nbytes + session_overhead(key)
+                pre.hold(name, Held(slot, slot.seq, nbytes, entry.mtime))
                 held += 1
                 self._trim_held()
         finally:
             pre.finish()
-            log.info("restored %d sessions at start in %.2f s (%d left to restore on demand: over the memory budget;"
+            log.info("restored %d sessions and conversations at start in %.2f s (%d left to restore on demand: over the memory budget;"
                      " %s)", held, pre.seconds, skipped,
                      ", ".join(f"{k} {v}" for k, v in sorted(failed.items())) or "no bad records")
             if not self.stopping:
@@ -748,33 +761,30 @@ class Sidecar:
         data = self.state_dir.read(name)
         if data is None:
             return None
+        if name.endswith(CONV_SUFFIX):
+            conv = decode_conversation_record(data)
+            key = SessionKey((CONVERSATION_KIND, conv.namespace), conv.conversation)
+            if record_name(key.namespace, key.session) != name:
+                raise ForeignRecord("record belongs to another conversation (renamed file, copied key or hash "
+                                    "collision)")
+            if not self._tokenizer_ready(conv.tokenizer_hash, conv.tokenizer_name, "all"):
+                return None
+            return key, self.service.conversations.restore(self.service, conv, key, -1)
         rec = decode_record(data)
         if record_name(rec.namespace, rec.session) != name:
             raise ForeignRecord("record belongs to another session (renamed file, copied key or hash collision)")
-        try:
-            self.service.registry.get(rec.tokenizer_hash)
-        except toktier.UnknownTokenizer:  # never served: foreign (raises); loadable: its first op may load it
-            if self.service.find_tokenizer(rec.tokenizer_name, cast(P.Specials, rec.specials)) is None:
-                return None
+        if not self._tokenizer_ready(rec.tokenizer_hash, rec.tokenizer_name, cast(P.Specials, rec.specials)):
+            return None
         return SessionKey(rec.namespace, rec.session), self.service.run_restore(rec, -1)
 
-    async def _restore_conversation(self, key: SessionKey, req: P.Request) -> None:
-        """``_restore`` for a conversation: its record is read and replayed in a bulk worker (the
-        directory's first, then the store's); a ConvClose leaves the records to its handler
-        (``forget``); a ``create_only`` ConvOpen replaces the directory's record."""
-        if isinstance(req, P.ConvClose):
-            return
-        create_only = isinstance(req, P.ConvOpen) and req.create_only
-        expect = getattr(req, "expect_seq", -1)
-        sd, ss = self.state_dir, self.state_store
-        if sd is not None and sd.claim(key):
-            if create_only:
-                self.state.submit(sd.delete, key)
-                return
-            if await self._restore_from(sd, key, expect):
-                return
-        if ss is not None and not create_only:
-            await self._restore_from(ss, key, expect)
+    def _tokenizer_ready(self, tok_hash: str, name: str, specials: P.Specials) -> bool:
+        """Whether a record's tokenizer is served now (False: loadable, so its first op may load it:
+        loads cost seconds); raises UnknownTokenizer (a foreign record) when it can never be."""
+        try:
+            self.service.registry.get(tok_hash)
+        except toktier.UnknownTokenizer:
+            return self.service.find_tokenizer(name, specials) is not None
+        return True
 
     async def _restore_from(self, backend: Backend, key: SessionKey, expect: int) -> bool:
         """Restore ``key`` from ``backend``; True when the session (or conversation) is open now."""
@@ -811,10 +821,7 @@ class Sidecar:
         if self.service.store.peek(key) is not None:  # cannot happen in its lane; never replace a live session
             slot.arena.release()
             return True
-        if conv:
-            book.add(self.service, key, slot, restored=True)
-        else:
-            self.service.add(key, slot)
+        self._add_restored(key, slot)
         self.metrics.state_restores.labels("ok").inc()
         log.debug("%s %r restored from %s at seq %d (%d tokens)", "conversation" if conv else "session",
                   key.session[:64], backend.name, slot.seq, slot.conv.num_tokens if conv else slot.session.num_tokens)
@@ -942,6 +949,15 @@ class Sidecar:
         handoffs, peer.handoffs = peer.handoffs, {}
         for seg in handoffs.values():
             seg.unlink()
+
+
+def _memory_of(name: str, record_bytes: int) -> int:
+    """What restoring record file ``name`` of ``record_bytes`` will hold in memory, before it is
+    restored (the budget check of the preload): a session about its record plus room to grow;
+    a conversation ~``CONV_MEMORY_PER_RECORD_BYTE`` times its record (which holds no text or IDs)."""
+    if name.endswith(CONV_SUFFIX):
+        return record_bytes * CONV_MEMORY_PER_RECORD_BYTE
+    return record_bytes + PRELOAD_EXTRA_BYTES
 
 
 def _release_slot(slot: Any) -> None:

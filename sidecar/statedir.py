@@ -232,7 +232,7 @@ class StateDir:
                         _unlink(e.path)
                         expired += 1
                     else:
-                        self._index_of(e.name)[e.name] = IndexEntry(st.st_mtime, st.st_size)
+                        self.index_of(e.name)[e.name] = IndexEntry(st.st_mtime, st.st_size)
                 elif e.name.endswith(CACHE_SUFFIX) and e.is_file(follow_symlinks=False):
                     caches.append(e.path)
         mb = lambda index: sum(e.size for e in index.values()) / 1e6  # noqa: E731
@@ -241,7 +241,7 @@ class StateDir:
                  mb(self.conv_index), expired, len(caches))
         return caches
 
-    def _index_of(self, name: str) -> dict[str, IndexEntry]:
+    def index_of(self, name: str) -> dict[str, IndexEntry]:
         return self.conv_index if name.endswith(CONV_SUFFIX) else self.index
 
     def expired(self) -> list[str]:
@@ -258,7 +258,7 @@ class StateDir:
 
     def indexed(self, key: SessionKey) -> bool:
         name = record_name(key.namespace, key.session)
-        index = self._index_of(name)
+        index = self.index_of(name)
         return bool(index) and name in index
 
     def claim(self, key: SessionKey) -> bool:
@@ -267,7 +267,7 @@ class StateDir:
 
     def unindex(self, key: SessionKey) -> bool:
         name = record_name(key.namespace, key.session)
-        return self._index_of(name).pop(name, None) is not None
+        return self.index_of(name).pop(name, None) is not None
 
     def load(self, key: SessionKey) -> bytes | None:
         return self.read(record_name(key.namespace, key.session))

@@ -28,6 +28,7 @@ from toktier_sidecar.statedir import CONV_SUFFIX, key_digest, record_name
 from sidecar_harness import registry, start_sidecar, wait_until  # noqa: F401  (fixtures)
 from test_conversation_ops import TOOLS, same, toks  # noqa: F401  (fixture)
 from test_state_dir import restores, serve
+from test_state_preload import preload, preloaded
 from test_state_store import store_server  # noqa: F401  (fixture)
 
 KIND = "conversation"
@@ -60,9 +61,13 @@ FIRST = [{"role": "system", "content": "You are terse. 数字 🎉"}, {"role": "
 MORE = [{"role": "user", "content": "And 3+3? Say <|im_end|> literally."}]
 
 
-def test_conversation_outlives_a_graceful_restart(start_sidecar, tmp_path, toks):
+@pytest.mark.parametrize("preload", [True, False])
+def test_conversation_outlives_a_graceful_restart(start_sidecar, tmp_path, toks, preload):
+    """With restore at start the first op usually finds the conversation replayed (held) already;
+    without it, the op replays it: the same IDs either way."""
     state = tmp_path / "state"
-    sc = start_sidecar(tokenizers=("llama3", "qwen3"), state_dir=str(state), state_flush_delay=0.01)
+    sc = start_sidecar(tokenizers=("llama3", "qwen3"), state_dir=str(state), state_flush_delay=0.01,
+                       state_preload=preload)
     tok = toks["qwen3"]
     local = toktier.Conversation(tok, tools=TOOLS)
     with Client(sc.path) as c:
@@ -87,9 +92,37 @@ def test_conversation_outlives_a_graceful_restart(start_sidecar, tmp_path, toks)
     assert wait_until(lambda: not os.path.exists(conv_path(state, "kept")))  # it ended: its record goes
 
 
-def test_forks_and_sessions_of_the_same_id_are_kept_apart(start_sidecar, tmp_path, toks):
+def test_conversations_are_restored_at_start_and_held_until_their_first_op(start_sidecar, tmp_path, toks):
     state = tmp_path / "state"
     sc = start_sidecar(tokenizers=("llama3",), state_dir=str(state), state_flush_delay=0.01)
+    tok = toks["llama3"]
+    local = {name: toktier.Conversation(tok) for name in ("a", "b", "closed")}
+    with Client(sc.path) as c:
+        c.session("a", tokenizer="llama3", text="a session next to conversation a")
+        handles = {name: c.conversation(name, tokenizer="llama3") for name in local}
+        for name, h in handles.items():
+            same(h.append_messages(FIRST), local[name].append_messages(FIRST))
+            ids = tok.encode(f"Answer for {name}.<|eot_id|>")
+            same(h.append_generated(ids), local[name].append_generated(ids))
+        sc.restart()
+        counts = preloaded(sc)
+        assert counts["restored"] == 4 and counts["claimed"] == 0  # three conversations, one session
+        assert sc.sidecar.service.conversations.live == 0  # held apart until their first op
+        for name in ("a", "b"):
+            r = handles[name].append_messages(MORE)
+            same(r, local[name].append_messages(MORE))
+        assert preload(sc)["claimed"] == 2 and restores(sc)["ok"] == 2
+        assert c.call(P.ConvClose(id=c.next_id(), conversation="closed")).existed  # a held one: forgotten
+        assert wait_until(lambda: not os.path.exists(conv_path(state, "closed")))
+        s = c.session("a", tokenizer="llama3", text="a session next to conversation a")
+        assert s.last.first_changed == len(s.last.ids)  # the session of the same id, held apart
+        assert preload(sc)["claimed"] == 3
+
+
+def test_forks_and_sessions_of_the_same_id_are_kept_apart(start_sidecar, tmp_path, toks):
+    """Restored on demand (no restore at start): each key finds its own record."""
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("llama3",), state_dir=str(state), state_flush_delay=0.01, state_preload=False)
     tok = toks["llama3"]
     local = toktier.Conversation(tok)
     with Client(sc.path) as c:
