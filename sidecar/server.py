@@ -746,8 +746,8 @@ class Sidecar:
                 self._trim_held()
         finally:
             pre.finish()
-            log.info("restored %d sessions and conversations at start in %.2f s (%d left to restore on demand: over the memory budget;"
-                     " %s)", held, pre.seconds, skipped,
+            log.info("restored %d sessions and conversations at start in %.2f s (%d left to restore on demand: "
+                     "over the memory budget; %s)", held, pre.seconds, skipped,
                      ", ".join(f"{k} {v}" for k, v in sorted(failed.items())) or "no bad records")
             if not self.stopping:
                 sdnotify.notify(f"STATUS=serving on {self.config.socket_path}; {held} sessions restored at start")
