@@ -43,8 +43,8 @@ included for every engine):
 
 * ``toktier``: ``toktier.Conversation(tok, template, tools=...)``: text mode
   ``append_messages([assistant, *results])``; token modes ``append_generated(sampled,
-  message=assistant)`` (the parsed message: matching and the drift reference) then
-  ``append_messages(results)``; ``res.ids``.
+  message=assistant, then=results)`` (the parsed message: matching and the drift reference; the
+  tool results in the same op, as an RL loop has them before it needs the next prompt); ``res.ids``.
 * ``render+hf``: ``template.render(all messages, add_generation_prompt=True)`` then HF
   ``tokenizers`` ``Tokenizer.encode(text, add_special_tokens=False).ids`` -> numpy (HF has no
   array path: the Python list is its only output).  This is also the reference: on checked turns
@@ -495,9 +495,8 @@ class TokTierConv:
     def turn(self, step: Step) -> np.ndarray:
         if step.sampled is None:
             self.last = self.conv.append_messages([step.assistant, *step.results])
-        else:
-            self.conv.append_generated(step.sampled, message=step.assistant)
-            self.last = self.conv.append_messages(step.results)
+        else:  # the sampled turn and the tool results after it: one op (`then`)
+            self.last = self.conv.append_generated(step.sampled, message=step.assistant, then=step.results)
         return self.last.ids
 
 

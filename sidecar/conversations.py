@@ -680,7 +680,7 @@ class ConvSetMessagesHandler(_MessagesChange[P.ConvSetMessages]):
 @handles(P.ConvAppendGenerated)
 class ConvAppendGeneratedHandler(_ConvChange[P.ConvAppendGenerated]):
     def request_chars(self, req: P.ConvAppendGenerated) -> int:
-        return len(req.ids) // 4
+        return len(req.ids) // 4 + _text_chars(req.then)
 
     def check(self, svc: SessionService, slot: ConvSlot, req: P.ConvAppendGenerated) -> Any:
         # The core checks the IDs against the vocabulary (InvalidTokenIds) before changing anything.
@@ -689,13 +689,18 @@ class ConvAppendGeneratedHandler(_ConvChange[P.ConvAppendGenerated]):
             raise BadRequest(f"ids is {len(req.ids)} bytes: packed uint32 IDs are a multiple of 4 bytes")
         if n > P.MAX_GENERATED_IDS:
             raise BadRequest(f"ids holds {n} IDs; at most {P.MAX_GENERATED_IDS} per request")
-        return np.frombuffer(req.ids, dtype="<u4").astype(np.uint32, copy=False)
+        new = slot.chars + check_messages(req.then)  # as append_messages checks its messages
+        if req.then and new > svc.config.max_session_chars:
+            raise TooLarge(f"conversation text would be about {new} code points; the limit is "
+                           f"{svc.config.max_session_chars}")
+        return np.frombuffer(req.ids, dtype="<u4").astype(np.uint32, copy=False), req.then
 
     def apply(self, conv: "Conversation", arg: Any) -> Any:
-        return conv.append_generated(arg)
+        ids, then = arg
+        return conv.append_generated(ids, then=then)
 
     def messages_after(self, before: int, arg: Any) -> int:
-        return before + 1  # the generated turn, recorded as an assistant message
+        return before + 1 + len(arg[1])  # the generated turn (an assistant message), then the rest
 
 
 @handles(P.ConvRollback)

@@ -179,10 +179,11 @@ class Model:
         return self.tok.encode(text).tolist() + (self.tok.encode(self.stop).tolist() if stop else [])
 
     def generate(self, ids: list[int], **kw):
+        at = len(self.conv.messages)  # the generated turn's message (`then` messages follow it)
         result = self.conv.append_generated(ids, **kw)
         # Stopped: the decoded run ends with the stop text (however it was meant: the definition).
         stopped = b"".join(self.tok.token_bytes[i] for i in ids).endswith(self.stop.encode())
-        self.runs.append((len(self.conv.messages) - 1, list(ids), self.stop if stopped else None))
+        self.runs.append((at, list(ids), self.stop if stopped else None))
         return result
 
     def keep_runs_before(self, d: int) -> None:
@@ -230,6 +231,37 @@ def test_tito_definition_and_drift(name, tally):
     assert r.drift is not None and r.drift <= before + len(m.tok.encode("Yes")) + 1
     if name in ("llama3_1", "deepseek_v3", "chatml_special"):  # canonical runs, no rewriting: drift only there
         assert r.drift == r.first_changed + len(m.tok.encode("Yes"))
+
+
+@pytest.mark.parametrize("name", TITO_NAMES)
+def test_generated_then_equals_the_two_ops(name, tally):
+    """`append_generated(ids, then=msgs)` is `append_generated(ids)` then `append_messages(msgs)`:
+    the same IDs (checked against the definition), text, drift, messages and runs, every turn
+    (canonical, split and truncated runs, tool results and user turns after them)."""
+    m, twin = Model(name), Model(name)
+    start = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "List the files. 数字 🎉"}]
+    m.check(m.conv.append_messages(start), tally)
+    twin.conv.append_messages(start)
+    turns = [("Calling ls.", [{"role": "tool", "content": "a.py\nb.py"}], True),
+             ("", [{"role": "tool", "content": "{}"}, {"role": "user", "content": "Now read a.py <|im_end|>"}], True),
+             ("Reading it now", [{"role": "tool", "content": "print('hi')"}], False)]
+    for text, then, stop in turns:
+        ids = m.sample(text, stop=stop)
+        if not stop and not ids:
+            ids = m.tok.encode("x").tolist()
+        r = m.generate(ids, then=then)
+        m.check(r, tally)
+        twin.generate(ids)
+        r2 = twin.conv.append_messages(then)
+        assert (r.ids.tolist(), r.text, r.drift) == (r2.ids.tolist(), r2.text, r2.drift)
+        assert m.conv.messages == twin.conv.messages and r.first_changed_message == m.runs[-1][0]
+    split = [i for ch in "split turn" for i in m.tok.encode(ch).tolist()] + m.sample("")
+    m.check(m.generate(split, then=[{"role": "user", "content": "thanks"}]), tally)
+    twin.generate(split)
+    assert twin.conv.append_messages([{"role": "user", "content": "thanks"}]).ids.tolist() == m.conv.ids.tolist()
+    with pytest.raises(InvalidChatInput):  # `then` is checked like appended messages, before any change
+        m.conv.append_generated(m.sample("x"), then=[{"content": "no role"}])
+    m.check(m.conv.append_messages([]), tally)
 
 
 def test_qwen3_think_drop_is_drift_with_token_in(tally):
@@ -444,7 +476,8 @@ def test_misuse_is_typed():
 
 _WORDS = st.lists(st.sampled_from(["word", " conversation", " 123", "\n", "é", "e\u0301", " <|im_end|>", "🙂",
                                    " ", "{\"a\": 1}", "<think>", "</think>"]), max_size=6).map("".join)
-_OP = st.tuples(st.sampled_from(["user", "tool", "gen", "gen_split", "gen_trunc", "edit", "rollback", "fork"]),
+_OP = st.tuples(st.sampled_from(["user", "tool", "gen", "gen_then", "gen_split", "gen_trunc", "edit", "rollback",
+                                 "fork"]),
                 st.integers(0, 1 << 16), _WORDS)
 
 
@@ -459,6 +492,9 @@ def _run_tito_ops(name: str, ops, tally) -> Model:
             r = m.conv.append_messages([{"role": kind, "content": text}])
         elif kind == "gen":
             r = m.generate(m.sample(text))
+        elif kind == "gen_then":  # the generated turn and the tool results after it, in one op
+            r = m.generate(m.sample(text), then=[{"role": "tool", "content": text or "ok"}])
+            assert r.first_changed_message == m.runs[-1][0]
         elif kind == "gen_split":  # a non-canonical spelling: one character per token where possible
             ids = [i for ch in text for i in m.tok.encode(ch).tolist()] + m.sample("")
             r = m.generate(ids)

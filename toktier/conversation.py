@@ -392,13 +392,18 @@ class Conversation:
                                         f"message(s); pass 0 <= n_messages <= {len(self._messages)}")
         return self._apply(self._messages[:n_messages], n_messages, None, rollback=True)
 
-    def append_generated(self, ids: Any, *, message: Mapping[str, Any] | None = None) -> ConversationResult:
+    def append_generated(self, ids: Any, *, message: Mapping[str, Any] | None = None,
+                         then: Sequence[Mapping[str, Any]] = ()) -> ConversationResult:
         """Pin sampled IDs (the model's continuation of the current prompt) verbatim.
 
         The prompt is the render with the generation prompt, whatever `add_generation_prompt` says;
-        the recorded assistant message is decoded from `ids` unless `message` is given.
+        the recorded assistant message is decoded from `ids` unless `message` is given.  `then`:
+        messages that follow the generated turn (an agent's tool results, the next user turn),
+        appended in the same op: the state and IDs are those of `append_generated` followed by
+        `append_messages(then)`, but the new text is rendered and repaired once, not twice.
         """
         sampled = _checked_ids(ids, self.tokenizer)
+        after = _prepare(then) if then else []
         if not self._messages:
             raise InvalidConversationOp("append_generated needs a prompt: add messages first (sampled IDs continue "
                                         "the rendered conversation)")
@@ -420,7 +425,8 @@ class Conversation:
                            new_marker(f"R{len(self._runs)}"))
         gp = self.add_generation_prompt
         marker = {"role": "assistant", "content": run.marker}
-        messages, marked, runs = [*self._messages, recorded], [*self._marked, marker], [*self._runs, run]
+        messages, marked = [*self._messages, recorded, *after], [*self._marked, marker, *after]
+        runs = [*self._runs, run]
         # 1. Every render and marker search (may raise: nothing has changed yet).
         # The prompt: the live tail already is it when the conversation renders the generation prompt.
         prompt = self._tail_text if gp else Rope.of(self._tail_of(self._marked, self._runs, True))
@@ -428,9 +434,10 @@ class Conversation:
         shadow = None
         if self.track_drift:
             if self._shadow is None:  # no runs yet: the tail is the exact full render
-                shadow = self._plan(self._messages, [recorded], self._tail_text, self._tail_end, None, messages)
+                shadow = self._plan(self._messages, [recorded, *after], self._tail_text, self._tail_end, None, messages)
             else:
-                shadow = self._plan(self._messages, [recorded], self._shadow_text, self._shadow_end, None, messages)
+                shadow = self._plan(self._messages, [recorded, *after], self._shadow_text, self._shadow_end, None,
+                                    messages)
 
         # 2. Sessions (in place ones are rebuilt from their old text if a step fails).
         undo: list[tuple[str, Rope]] = [("_tail", self._tail_text)]
@@ -479,7 +486,7 @@ class Conversation:
             self._shadow, self._shadow_text, self._shadow_end = new_shadow, shadow.text, shadow.end
             if shadow_repair is not RepairPath.NOOP:
                 self._equal_upto = min(self._equal_upto, shadow_changed)
-        return self._result(first, len(messages) - 1, ConversationPath.GENERATED, res.path,
+        return self._result(first, run.message_index, ConversationPath.GENERATED, res.path,
                             windowed=tail.windowed)
 
     def fork(self) -> "Conversation":
@@ -526,21 +533,24 @@ class Conversation:
         runs pinned in order (each run with its recorded message), so its IDs, text, drift and
         messages are the same by the definition above (what led there, set_messages branches and
         rollbacks included, leaves nothing else behind).  One render and encode of the whole
-        conversation, plus one windowed op per run: a session start's cost, not a repair's.  The
+        conversation, plus one windowed op per run (with the messages up to the next run, `then`):
+        a session start's cost, not a repair's.  The
         drift reference is built once at the end (one full render and encode), not kept up to
         date op by op."""
         conv = cls(tokenizer, state.template, match=state.match, add_generation_prompt=state.add_generation_prompt,
                    stop_texts=state.stop_texts, full_path=full_path, track_drift=False,
                    incremental=state.incremental, **state.render_kwargs)
         messages, at = state.messages, 0
-        for index, sampled in state.runs:
-            if not at <= index < len(messages) or messages[index].get("role") != "assistant":
+        ends = [index for index, _ in state.runs[1:]] + [len(messages)]
+        for (index, sampled), end in zip(state.runs, ends):
+            if not at <= index < end or messages[index].get("role") != "assistant":
                 raise InvalidConversationOp(f"a pinned run at message {index} needs an assistant message there, "
                                             f"after message {at} (the state holds {len(messages)} messages)")
             if index > at:
                 conv.append_messages(messages[at:index])
-            conv.append_generated(sampled, message=messages[index])
-            at = index + 1
+            # the messages up to the next run come with it: one render and repair per run
+            conv.append_generated(sampled, message=messages[index], then=messages[index + 1:end])
+            at = end
         if at < len(messages):
             conv.append_messages(messages[at:])
         conv.track_drift = state.track_drift
@@ -668,11 +678,12 @@ class Conversation:
         return None
 
     def _after_run(self, marked: list[dict], run: GeneratedRun) -> _Text:
-        """The tail after pinning `run` (the last of `marked`, a marker message): through a
-        window when allowed, else the full render of the marked messages."""
+        """The tail after pinning `run` (its marker message is `marked[len(self._marked)]`, the
+        messages after it follow the run): through a window when allowed, else the full render
+        of the marked messages."""
         gp = self.add_generation_prompt
         cut = self._cut(self._runs[-1]) if self._runs else None
-        got = self._windowed(self._marked, marked[-1:], self._tail_text, self._tail_end, cut)
+        got = self._windowed(self._marked, marked[len(self._marked):], self._tail_text, self._tail_end, cut)
         if got is not None:
             at = self._cut(run)(got.text)
             if at is not None and got.end - got.start - at >= 0:

@@ -189,6 +189,42 @@ def test_generated_ids_are_kept_verbatim_as_in_process(sc, toks, name, stop):
         same(wire, local.rollback(1), tok, chat.template_for(tok), prompt)
 
 
+@pytest.mark.parametrize("name,stop", [("qwen3", "<|im_end|>"), ("llama3", "<|eot_id|>")])
+def test_generated_then_tool_results_in_one_op(sc, toks, name, stop):
+    """``append_generated(ids, then=...)`` over the wire equals the in-process op, and the state
+    equals the two separate ops (checked on a second in-process conversation)."""
+    tok = toks[name]
+    local, twin = toktier.Conversation(tok, tools=TOOLS), toktier.Conversation(tok, tools=TOOLS)
+    prompt = [{"role": "user", "content": "What is 6*7? Use the tool."}]
+    results = [{"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    with Client(sc.path) as c:
+        h = c.conversation("then", tokenizer=name, tools=TOOLS)
+        same(h.append_messages(prompt), local.append_messages(prompt))
+        twin.append_messages(prompt)
+        ids = tok.encode("Calling the calculator." + stop)
+        wire = h.append_generated(ids, then=results)
+        same(wire, local.append_generated(ids, then=results))
+        twin.append_generated(ids)
+        separate = twin.append_messages(results)
+        assert np.array_equal(wire.ids, separate.ids) and wire.drift == separate.drift
+        assert wire.messages == len(prompt) + 1 + len(results) == len(twin.messages)
+        with pytest.raises(E.BadRequest):  # `then` is checked like any messages
+            h.append_generated(ids, then=[{"content": "no role"}])
+        assert h.append_generated(ids, then=[]).messages == wire.messages + 1  # no messages after it: as before
+
+
+async def test_async_generated_then(sc, toks):
+    tok = toks["qwen3"]
+    local = toktier.Conversation(tok)
+    async with AsyncClient(sc.path) as c:
+        h = await c.conversation("async-then", tokenizer="qwen3")
+        prompt = [{"role": "user", "content": "hi"}]
+        same(await h.append_messages(prompt), local.append_messages(prompt))
+        ids, then = tok.encode("hello<|im_end|>"), [{"role": "user", "content": "and then?"}]
+        same(await h.append_generated(ids, then=then), local.append_generated(ids, then=then))
+        assert await h.close()
+
+
 async def test_async_client_many_conversations_concurrently(sc, toks):
     tok = toks["qwen3"]
     template = chat.template_for(tok)

@@ -191,10 +191,11 @@ class ConversationState:
         return lambda rid, seq, key: P.ConvSetMessages(id=rid, conversation=self.conversation_id, messages=msgs,
                                                        expect_seq=seq, op_key=key)
 
-    def append_generated(self, ids: Any) -> MakeRequest:
+    def append_generated(self, ids: Any, then: Messages | None = None) -> MakeRequest:
         packed = pack_ids(ids)
+        after = as_messages(then) if then is not None else []
         return lambda rid, seq, key: P.ConvAppendGenerated(id=rid, conversation=self.conversation_id, ids=packed,
-                                                           expect_seq=seq, op_key=key)
+                                                           expect_seq=seq, op_key=key, then=after)
 
     def rollback(self, n_messages: int) -> MakeRequest:
         if not isinstance(n_messages, int) or isinstance(n_messages, bool):
@@ -282,9 +283,10 @@ class ConversationHandle(_View):
         """Make the messages equal ``messages``: what changed is repaired as one exact edit."""
         return self._op(self._state.set_messages(messages))
 
-    def append_generated(self, ids: Any) -> ConversationResult:
-        """Append sampled token IDs verbatim (numpy integer array or list of ints)."""
-        return self._op(self._state.append_generated(ids))
+    def append_generated(self, ids: Any, then: Messages | None = None) -> ConversationResult:
+        """Append sampled token IDs verbatim (numpy integer array or list of ints); ``then``:
+        messages that follow the generated turn (tool results), appended in the same op."""
+        return self._op(self._state.append_generated(ids, then))
 
     def rollback(self, n_messages: int) -> ConversationResult:
         """Roll back by ``n_messages`` messages (``toktier.Conversation.rollback``)."""
@@ -331,8 +333,9 @@ class AsyncConversationHandle(_View):
     async def set_messages(self, messages: Messages) -> ConversationResult:
         return await self._op(self._state.set_messages(messages))
 
-    async def append_generated(self, ids: Any) -> ConversationResult:
-        return await self._op(self._state.append_generated(ids))
+    async def append_generated(self, ids: Any, then: Messages | None = None) -> ConversationResult:
+        """Append sampled token IDs verbatim; ``then``: messages that follow them, in the same op."""
+        return await self._op(self._state.append_generated(ids, then))
 
     async def rollback(self, n_messages: int) -> ConversationResult:
         return await self._op(self._state.rollback(n_messages))

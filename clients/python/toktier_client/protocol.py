@@ -313,13 +313,16 @@ class ConvSetMessages(_Msg, tag="conv_set_messages"):
 class ConvAppendGenerated(_Msg, tag="conv_append_generated"):
     """Append sampled token IDs verbatim: ``ids`` is packed little-endian uint32 (4 bytes each, at
     most ``MAX_GENERATED_IDS``); every ID must be below the tokenizer's vocabulary size
-    (else ``invalid_token_ids``)."""
+    (else ``invalid_token_ids``).  ``then``: messages that follow the generated turn (tool
+    results, the next user turn), appended in the same op (as a ``ConvAppendMessages`` right
+    after it would, rendered and repaired once)."""
 
     id: int
     conversation: str
     ids: bytes
     expect_seq: int = -1
     op_key: str = ""
+    then: list[dict[str, Any]] = []
 
 
 class ConvFork(_Msg, tag="conv_fork"):
