@@ -83,7 +83,8 @@ MESSAGE_OVERHEAD_BYTES = 512
 #: Budget charge per token of one core ``Session``: its uint32 ID and its token-start offset.
 TOKEN_BYTES = 8
 #: Parameters of ``toktier.Conversation`` itself: never template variables.
-RESERVED_KWARGS = frozenset({"tokenizer", "template", "match", "add_generation_prompt", "stop_texts", "full_path"})
+RESERVED_KWARGS = frozenset({"tokenizer", "template", "match", "add_generation_prompt", "stop_texts", "full_path",
+                             "track_drift", "incremental"})
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
@@ -162,6 +163,7 @@ class ConvOptions(NamedTuple):
     match: str
     add_generation_prompt: bool
     stop_texts: tuple[str, ...]
+    track_drift: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,7 @@ class ConvOutcome:
     chars: int
     messages: int
     tokenizer: str
+    drift_tracked: bool = True
 
 
 @dataclass(eq=False)
@@ -316,7 +319,7 @@ class Conversations:
             raise BadRequest(f"template_kwargs may not set {sorted(clash)}: they are ConvOpen's own fields")
         kwargs = msgspec.msgpack.encode(dict(sorted(req.template_kwargs.items())))
         return ConvOptions(tok.hash, self.template_key(tok, req.template), kwargs, req.match,
-                           req.add_generation_prompt, tuple(req.stop_texts))
+                           req.add_generation_prompt, tuple(req.stop_texts), req.track_drift)
 
     # ----------------------------------------------------------------- slots
     def begin(self, svc: SessionService, key: SessionKey, expect_seq: int) -> ConvSlot:
@@ -412,14 +415,15 @@ class Conversations:
         slot.messages, slot.chars = messages, len(text)
         slot.nbytes = conversation_nbytes(text, n, messages, bool(slot.conv.generated), seg.nbytes, slot.overhead)
         return ConvOutcome(seg, n, slot.seq, first_changed, first_changed_message, drift, slot.chars, messages,
-                           slot.tokenizer.hash)
+                           slot.tokenizer.hash, slot.conv.track_drift)
 
     def create(self, svc: SessionService, tok: toktier.FrozenTokenizer, opts: ConvOptions, req: P.ConvOpen,
                key: SessionKey) -> tuple[ConvSlot, ConvOutcome]:
         """Any thread: a new empty conversation in a fresh segment."""
         template = self.template(tok, req.template)
         conv = toktier.Conversation(tok, template, match=req.match, add_generation_prompt=req.add_generation_prompt,
-                                    stop_texts=tuple(req.stop_texts), full_path=svc.full_path, **req.template_kwargs)
+                                    stop_texts=tuple(req.stop_texts), full_path=svc.full_path,
+                                    track_drift=req.track_drift, **req.template_kwargs)
         slot = ConvSlot(conv, svc.pool.session_arena(), tok, opts, self, overhead=_overhead(key))
         try:
             out = self.publish(slot, conv.ids, 0, 0, None, 0, conv.text)
@@ -466,7 +470,8 @@ class Conversations:
             compiled = self._templates.get(ref)  # reused when it is the recorded template exactly
         conv = rec.restore(tok, template=compiled, full_path=svc.full_path)
         kwargs = msgspec.msgpack.encode(dict(sorted(rec.render_kwargs.items())))
-        opts = ConvOptions(tok.hash, ref, kwargs, rec.match, rec.add_generation_prompt, tuple(rec.stop_texts))
+        opts = ConvOptions(tok.hash, ref, kwargs, rec.match, rec.add_generation_prompt, tuple(rec.stop_texts),
+                           rec.track_drift)
         slot = ConvSlot(conv, svc.pool.session_arena(), tok, opts, self, overhead=_overhead(key))
         slot.seq = rec.seq - 1  # publish makes it the record's
         try:
@@ -509,7 +514,7 @@ def conv_reply(rid: int, out: ConvOutcome) -> P.ConvIds:
     return P.ConvIds(id=rid, segment=out.segment.name, offset=HEADER_BYTES, count=out.count, seq=out.seq,
                      first_changed=out.first_changed, tokenizer=out.tokenizer,
                      first_changed_message=out.first_changed_message, drift=out.drift, chars=out.chars,
-                     messages=out.messages)
+                     messages=out.messages, drift_tracked=out.drift_tracked)
 
 
 def _book(svc: SessionService) -> Conversations:
@@ -574,7 +579,8 @@ class ConvOpenHandler(_ConvOp[P.ConvOpen]):
                     f"({slot.tokenizer.hash[:12]}); close it before re-opening with {tok.name} ({tok.hash[:12]})")
             if slot.options != opts:
                 raise SessionConflict(f"conversation {req.conversation!r} is open with another template, "
-                                      "template_kwargs, match, add_generation_prompt or stop_texts; close it first")
+                                      "template_kwargs, match, add_generation_prompt, stop_texts or track_drift; "
+                                      "close it first")
             return Plan.answer(conv_reply(req.id, _current(slot)))
 
         def created(res: tuple[ConvSlot, ConvOutcome]) -> Answer:
@@ -595,7 +601,8 @@ def _current(slot: ConvSlot) -> ConvOutcome:
     since the attaching client holds nothing)."""
     out = slot.last_out
     assert out is not None
-    return ConvOutcome(out.segment, out.count, out.seq, 0, 0, out.drift, out.chars, out.messages, out.tokenizer)
+    return ConvOutcome(out.segment, out.count, out.seq, 0, 0, out.drift, out.chars, out.messages, out.tokenizer,
+                       out.drift_tracked)
 
 
 class _ConvChange(_ConvOp[C]):

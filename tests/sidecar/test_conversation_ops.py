@@ -213,6 +213,28 @@ def test_generated_then_tool_results_in_one_op(sc, toks, name, stop):
         assert h.append_generated(ids, then=[]).messages == wire.messages + 1  # no messages after it: as before
 
 
+def test_track_drift_off_keeps_no_reference(sc, toks):
+    """``track_drift=False`` on the wire is the core's: same IDs, ``drift`` None and said to be
+    untracked, and it is one of the options an attach must repeat."""
+    tok = toks["qwen3"]
+    local = toktier.Conversation(tok, track_drift=False)
+    with Client(sc.path) as c:
+        h = c.conversation("nodrift", tokenizer="qwen3", track_drift=False)
+        assert h.last.drift_tracked is False
+        same(h.append_messages([{"role": "user", "content": "hi"}]), local.append_messages([{"role": "user",
+                                                                                               "content": "hi"}]))
+        odd = [*tok.encode(" Hel"), *tok.encode("lo"), *tok.encode("<|im_end|>")]  # would drift
+        r = h.append_generated(odd, then=[{"role": "user", "content": "more"}])
+        same(r, local.append_generated(odd, then=[{"role": "user", "content": "more"}]))
+        assert r.drift is None and not r.drift_tracked
+        with pytest.raises(E.SessionConflict):
+            c.conversation("nodrift", tokenizer="qwen3")  # track_drift differs
+        tracked = c.conversation("drift", tokenizer="qwen3")
+        assert tracked.last.drift_tracked is True
+        with pytest.raises(E.BadRequest):
+            c.conversation("bad", tokenizer="qwen3", incremental=False)  # the core's own parameter
+
+
 async def test_async_generated_then(sc, toks):
     tok = toks["qwen3"]
     local = toktier.Conversation(tok)

@@ -248,3 +248,25 @@ def test_conversation_continues_on_another_sidecar(store_server, start_sidecar, 
         assert restores(b)["ok"] == 1
         assert hb.close()  # ConvClose deletes the shared record
     assert wait_until(lambda: store.exists(key) == 0)
+
+
+def test_options_survive_the_restart(start_sidecar, tmp_path, toks):
+    """A restored conversation keeps what it was opened with (template kwargs, track_drift,
+    match...): an attach with the same options finds it, one with other options conflicts."""
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("qwen3",), state_dir=str(state), state_flush_delay=0.01)
+    tok = toks["qwen3"]
+    local = toktier.Conversation(tok, track_drift=False, match="loose_tool_call", enable_thinking=False)
+    opts = dict(tokenizer="qwen3", track_drift=False, match="loose_tool_call", enable_thinking=False)
+    with Client(sc.path) as c:
+        h = c.conversation("opts", **opts)
+        same(h.append_messages(FIRST), local.append_messages(FIRST))
+        odd = [*tok.encode(" Fo"), *tok.encode("ur"), *tok.encode("<|im_end|>")]
+        same(h.append_generated(odd), local.append_generated(odd))
+    sc.restart()
+    with Client(sc.path) as c:
+        again = c.conversation("opts", **opts)
+        assert np.array_equal(again.last.ids, local.ids) and not again.last.drift_tracked
+        with pytest.raises(E.SessionConflict):
+            c.conversation("opts", tokenizer="qwen3", match="loose_tool_call", enable_thinking=False)
+        same(again.append_messages(MORE), local.append_messages(MORE))

@@ -55,7 +55,8 @@ class ConversationResult:
     ``first_changed``: the first token that differs from the previous state (keep the KV cache
     for ``ids[:first_changed]``); ``first_changed_message``: the first message whose tokens
     changed; ``drift``: the first token where the IDs differ from the exact re-render and
-    re-tokenization of the messages (None when equal: only sampled IDs can drift);
+    re-tokenization of the messages (None when equal: only sampled IDs can drift; always None
+    when ``drift_tracked`` is False, the conversation opened with ``track_drift=False``);
     ``chars``: the rendered text's length in code points; ``messages``: messages held."""
 
     ids: np.ndarray
@@ -69,6 +70,7 @@ class ConversationResult:
     segment: str
     _mapping: Mapping
     _lease: Lease | None = None
+    drift_tracked: bool = True
 
     @property
     def valid(self) -> bool:
@@ -123,7 +125,7 @@ class ConversationState:
 
     def __init__(self, conversation_id: str, tokenizer: str, *, template: str | None,
                  template_kwargs: dict[str, Any], match: P.MatchMode, add_generation_prompt: bool,
-                 stop_texts: Sequence[str] = (), owner_uid: int | None = None) -> None:
+                 stop_texts: Sequence[str] = (), owner_uid: int | None = None, track_drift: bool = True) -> None:
         self.conversation_id = conversation_id
         self.tokenizer = tokenizer  # as the caller named it (name or hash)
         self.tokenizer_hash = ""  # learned from the first reply
@@ -134,6 +136,7 @@ class ConversationState:
         if isinstance(stop_texts, str):
             raise TypeError("stop_texts is a list of strings, not one string")
         self.stop_texts = list(stop_texts)
+        self.track_drift = bool(track_drift)
         self.owner_uid = owner_uid  # the server's verified uid: every mapped segment must be its
         self.seq = -1  # unknown until the first reply
         self.closed = False
@@ -149,7 +152,7 @@ class ConversationState:
             id=next_id(), conversation=self.conversation_id, tokenizer=self.tokenizer_hash or self.tokenizer,
             template=self.template, template_kwargs=self.template_kwargs, match=self.match,
             add_generation_prompt=self.add_generation_prompt, stop_texts=self.stop_texts, create_only=create_only,
-            op_key=self._op_key())
+            op_key=self._op_key(), track_drift=self.track_drift)
         return self._accept(reply)
 
     def op(self, next_id: Callable[[], int], make: MakeRequest) -> Flow[ConversationResult]:
@@ -166,7 +169,7 @@ class ConversationState:
         new = ConversationState(new_id, self.tokenizer, template=self.template,
                                 template_kwargs=self.template_kwargs, match=self.match,
                                 add_generation_prompt=self.add_generation_prompt, stop_texts=self.stop_texts,
-                                owner_uid=self.owner_uid)
+                                owner_uid=self.owner_uid, track_drift=self.track_drift)
         new.tokenizer_hash = self.tokenizer_hash
         reply = yield P.ConvFork(id=next_id(), conversation=self.conversation_id, new=new_id, expect_seq=self.seq,
                                  op_key=new._op_key())
@@ -227,7 +230,7 @@ class ConversationState:
             ids=mapping.view(ids.offset, ids.count), first_changed=ids.first_changed,
             first_changed_message=ids.first_changed_message, drift=ids.drift, chars=ids.chars,
             messages=ids.messages, seq=ids.seq, tokenizer=ids.tokenizer, segment=ids.segment, _mapping=mapping,
-            _lease=self._lease)
+            _lease=self._lease, drift_tracked=ids.drift_tracked)
 
     def _end_lease(self) -> None:
         if self._lease is not None:

@@ -301,12 +301,14 @@ class AsyncClient:
         add_generation_prompt: bool = True,
         stop_texts: Sequence[str] = (),
         create_only: bool = False,
+        track_drift: bool = True,
         **template_kwargs: object,
     ) -> AsyncConversationHandle:
         """asyncio twin of :meth:`toktier_client.Client.conversation`."""
         state = ConversationState(
             conversation_id, tokenizer, template=template, template_kwargs=dict(template_kwargs), match=match,
             add_generation_prompt=add_generation_prompt, stop_texts=stop_texts, owner_uid=self.server_uid,
+            track_drift=track_drift,
         )
         handle = AsyncConversationHandle(self, state)
         async with handle._lock:

@@ -253,6 +253,7 @@ class Client:
         add_generation_prompt: bool = True,
         stop_texts: Sequence[str] = (),
         create_only: bool = False,
+        track_drift: bool = True,
         **template_kwargs: object,
     ) -> ConversationHandle:
         """Open (or attach to) a conversation: chat messages in, exact token IDs out
@@ -261,11 +262,13 @@ class Client:
         ``template_kwargs`` become template variables (``enable_thinking=False``, ``tools=[...]``;
         JSON-able values).  ``match``: how ``set_messages`` compares a re-sent history;
         ``stop_texts``: extra strings a generation may stop with.  ``create_only`` refuses an
-        existing conversation (``SessionConflict``).  The handle's ``last`` is the
-        conversation's current state."""
+        existing conversation (``SessionConflict``).  ``track_drift=False``: no drift reference
+        is kept (results' ``drift`` is None, ``drift_tracked`` False; token-in ops cost about
+        half).  The handle's ``last`` is the conversation's current state."""
         state = ConversationState(
             conversation_id, tokenizer, template=template, template_kwargs=dict(template_kwargs), match=match,
             add_generation_prompt=add_generation_prompt, stop_texts=stop_texts, owner_uid=self.server_uid,
+            track_drift=track_drift,
         )
         handle = ConversationHandle(self, state)
         handle.last = self.run(state.open(self.next_id, create_only))

@@ -272,7 +272,9 @@ class ConvOpen(_Msg, tag="conv_open"):
     (``enable_thinking=False``, ``tools=[...]``...): JSON-able values only.  ``stop_texts``:
     extra stop strings a generation may end with (besides the template's eos and the
     tokenizer's added tokens).  ``create_only`` refuses with ``session_conflict`` when the
-    conversation exists.
+    conversation exists.  ``track_drift=False`` keeps no drift reference (the exact re-render of
+    the messages, repaired on every op): results then have ``drift=None`` and
+    ``drift_tracked=False``, and token-in ops cost about half as much.
 
     Conversation ids are their own namespace (per peer, as session ids are): a session and a
     conversation may share an id.  ``Close`` closes sessions; ``ConvClose`` conversations."""
@@ -287,6 +289,7 @@ class ConvOpen(_Msg, tag="conv_open"):
     stop_texts: list[str] = []
     create_only: bool = False
     op_key: str = ""
+    track_drift: bool = True
 
 
 class ConvAppendMessages(_Msg, tag="conv_append_messages"):
@@ -463,8 +466,9 @@ class ConvIds(_Msg, tag="conv_ids"):
     its next op), plus what only a conversation says: ``first_changed_message`` (index of the
     first message whose tokens changed), ``drift`` (the first token index where the IDs differ
     from the exact re-render and re-tokenization of the messages, None when they are equal:
-    only sampled IDs can drift), ``chars`` (the rendered text's length in code points) and
-    ``messages`` (how many messages the conversation holds).
+    only sampled IDs can drift; always None with ``drift_tracked`` False: see ``ConvOpen``),
+    ``chars`` (the rendered text's length in code points) and ``messages`` (how many messages
+    the conversation holds).
 
     A reply of its own rather than more ``Ids`` fields: a session result has no messages and
     no drift (a defaulted ``drift=None`` on every session reply would read as "no drift"),
@@ -481,6 +485,7 @@ class ConvIds(_Msg, tag="conv_ids"):
     drift: int | None = None
     chars: int = 0
     messages: int = 0
+    drift_tracked: bool = True
 
 
 Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Pong, Error, ConvIds]
