@@ -45,6 +45,8 @@ included for every engine):
   ``append_messages([assistant, *results])``; token modes ``append_generated(sampled,
   message=assistant, then=results)`` (the parsed message: matching and the drift reference; the
   tool results in the same op, as an RL loop has them before it needs the next prompt); ``res.ids``.
+* ``toktier-nodrift`` (opt-in: ``--engines``): the same with ``track_drift=False`` (no drift
+  reference kept: what a caller that never reads ``drift`` pays); the same IDs.
 * ``render+hf``: ``template.render(all messages, add_generation_prompt=True)`` then HF
   ``tokenizers`` ``Tokenizer.encode(text, add_special_tokens=False).ids`` -> numpy (HF has no
   array path: the Python list is its only output).  This is also the reference: on checked turns
@@ -481,11 +483,13 @@ class TokTierConv:
 
     name = "toktier"
 
-    def __init__(self, ro: Rollout) -> None:
+    def __init__(self, ro: Rollout, track_drift: bool = True) -> None:
         cls, why = conversation_class()
         if cls is None:
             raise RuntimeError(why)
-        self.conv = cls(ro.tokenizer, ro.template, **ro.render_kwargs)
+        if not track_drift:
+            self.name = "toktier-nodrift"
+        self.conv = cls(ro.tokenizer, ro.template, track_drift=track_drift, **ro.render_kwargs)
         self.last = None
 
     def start(self, messages: list[dict]) -> np.ndarray:
@@ -508,6 +512,8 @@ def build_engines(ro: Rollout, mode: str, names: Sequence[str], log) -> list:
         try:
             if name == "toktier":
                 out.append(TokTierConv(ro))
+            elif name == "toktier-nodrift":  # no drift reference (track_drift=False): the same IDs
+                out.append(TokTierConv(ro, track_drift=False))
             elif name == "render+hf":
                 out.append(RenderEncode(name, ro, hf_encoder(ro.tokenizer)))
             elif name == "render-only":
@@ -637,6 +643,9 @@ def summarize(res: dict) -> list[dict]:
             tt, ft = row.get("toktier"), row.get("render+fastokens")
             if tt and ft and tt["n"] and ft["n"]:
                 row["ratio_fastokens_over_toktier"] = ft["p50"] / tt["p50"]
+            nd = row.get("toktier-nodrift")
+            if nd and ft and nd["n"] and ft["n"]:
+                row["ratio_fastokens_over_nodrift"] = ft["p50"] / nd["p50"]
             rows.append(row)
     return rows
 
@@ -661,13 +670,19 @@ def print_result(res: dict, rows: list[dict]) -> None:
     print(f"\n### {res['family']} — {res['mode']} mode: {res['turns']} turns to {res['final_chars']:,} chars, "
           f"{res['checked']} checked against the exact re-render")
     head = " | ".join(f"{n} P50 / P99 ms (n)" for n in names)
-    print(f"\n| context | {head} | render+fastokens / toktier (P50) |")
-    print("|---" * (len(names) + 2) + "|")
+    nodrift = "toktier-nodrift" in names
+    extra = " render+fastokens / toktier-nodrift (P50) |" if nodrift else ""
+    print(f"\n| context | {head} | render+fastokens / toktier (P50) |{extra}")
+    print("|---" * (len(names) + 2 + nodrift) + "|")
     for r in rows:
         cells = " | ".join(f"{r[n]['p50']:.2f} / {r[n]['p99']:.2f} ({r[n]['n']})" if r[n]["n"] else "-"
                            for n in names)
         ratio = r.get("ratio_fastokens_over_toktier")
-        print(f"| {r['bucket']} | {cells} | {f'**{ratio:.1f}x**' if ratio else '-'} |")
+        line = f"| {r['bucket']} | {cells} | {f'**{ratio:.1f}x**' if ratio else '-'} |"
+        if nodrift:
+            nd = r.get("ratio_fastokens_over_nodrift")
+            line += f" {f'**{nd:.1f}x**' if nd else '-'} |"
+        print(line)
     for name, st in res["engine_stats"].items():
         if name == "toktier":
             print(f"- toktier render_stats: {st}")
