@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -270,3 +271,26 @@ def test_options_survive_the_restart(start_sidecar, tmp_path, toks):
         with pytest.raises(E.SessionConflict):
             c.conversation("opts", tokenizer="qwen3", match="loose_tool_call", enable_thinking=False)
         same(again.append_messages(MORE), local.append_messages(MORE))
+
+
+@pytest.mark.parametrize("cause", ["ttl", "memory"])
+def test_an_ended_conversation_loses_its_record(start_sidecar, tmp_path, cause):
+    """As for sessions: a conversation that ends here (TTL, eviction for memory) has no record
+    left in the directory (nothing would ever claim it), and its next op misses with that reason."""
+    state = tmp_path / "state"
+    extra = {"session_ttl": 0.6} if cause == "ttl" else {"memory_budget": 600_000}
+    sc = start_sidecar(tokenizers=("llama3",), state_dir=str(state), state_flush_delay=0.01, **extra)
+    body = "lorem ipsum dolor sit amet " * 1500  # ~40K characters
+    with Client(sc.path) as c:
+        first = c.conversation("first", tokenizer="llama3")
+        r = first.append_messages([{"role": "user", "content": body}])
+        wait_for_conv_record(state, "first", r.seq)
+        if cause == "ttl":
+            time.sleep(1.0)  # idle past the TTL (ended when next touched: the harness's sweep is hourly)
+        else:
+            for i in range(8):  # newer conversations push the first one out of the budget
+                c.conversation(f"more-{i}", tokenizer="llama3").append_messages([{"role": "user", "content": body}])
+        with pytest.raises(E.SessionMiss) as ei:
+            first.append_messages([{"role": "user", "content": "still there?"}])
+        assert ei.value.reason == cause
+        assert wait_until(lambda: not os.path.exists(conv_path(state, "first")))
