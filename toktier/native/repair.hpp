@@ -151,11 +151,12 @@ struct Scratch {
   }
 };
 
-// Gives a scratch buffer's memory back after a window far larger than usual (a 4M-character
-// start-sized window would otherwise stay held by every thread that once served one).
+// Gives a scratch buffer's memory back after a window larger than usual: each thread that ever
+// served a window keeps at most ~KEEP_BYTES per buffer (a 400K-character window's buffers, ~8 MB
+// in all), outside the sessions' memory budget; a bigger window pays its page faults again.
 struct ScratchTrim {
   Scratch& s;
-  static constexpr size_t KEEP_BYTES = size_t(8) << 20;
+  static constexpr size_t KEEP_BYTES = size_t(4) << 20;
   template <class V>
   static void trim(V& v) {
     if (v.capacity() * sizeof(typename V::value_type) > KEEP_BYTES) V().swap(v);
