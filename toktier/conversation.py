@@ -534,9 +534,8 @@ class Conversation:
         messages are the same by the definition above (what led there, set_messages branches and
         rollbacks included, leaves nothing else behind).  One render and encode of the whole
         conversation, plus one windowed op per run (with the messages up to the next run, `then`):
-        a session start's cost, not a repair's.  The
-        drift reference is built once at the end (one full render and encode), not kept up to
-        date op by op."""
+        a session start's cost, not a repair's.  The drift reference is built once at the end (one
+        full render and encode), not kept up to date op by op."""
         conv = cls(tokenizer, state.template, match=state.match, add_generation_prompt=state.add_generation_prompt,
                    stop_texts=state.stop_texts, full_path=full_path, track_drift=False,
                    incremental=state.incremental, **state.render_kwargs)
