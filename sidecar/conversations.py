@@ -751,6 +751,7 @@ class ConvForkHandler(_ConvOp[P.ConvFork]):
                 new_slot.arena.release()
                 raise SessionConflict(f"conversation {req.new!r} was created while forking")
             new_slot.last_op_key, new_slot.last_out = req.op_key, out
+            svc.supersede(new_key)  # an earlier run's record of that id, never restored, is replaced
             book.add(svc, new_key, new_slot)
             book.on_result(slot.tokenizer.name, self.tag, out.drift is not None)
             return book.answer(req.id, new_slot, out)

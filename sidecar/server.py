@@ -272,6 +272,7 @@ class Sidecar:
             self.preload = Preload(release=_release_slot, count=lambda result, n: counter.labels(result).inc(n))
             self.metrics.watch_preload(self.preload.snapshot)
             self.service.on_resized = self._trim_held
+            self.service.on_superseded = lambda key: self.preload.drop(record_name(key.namespace, key.session))
         self.install_signals = install_signals
         self.lanes = Lanes()
         self.peers: dict[int, _Peer] = {}

@@ -301,6 +301,8 @@ class SessionService:
         # Set by the server with a restore at start: called (loop thread) after the open sessions'
         # bytes grew, so that sessions restored at start and not open yet give the room back.
         self.on_resized: Callable[[], None] = lambda: None
+        # ... and called (loop thread) when a new state takes over a key whose record may be held.
+        self.on_superseded: Callable[[SessionKey], None] = lambda key: None
         # The conversation ops' state (templates, counts): defined with their handlers.
         from .conversations import Conversations
 
@@ -482,6 +484,13 @@ class SessionService:
         """Loop thread: an op changed the session (its record is written behind)."""
         if self.state is not None:
             self.state.changed(key)
+
+    def supersede(self, key: SessionKey) -> None:
+        """Loop thread: a new state takes ``key`` over (see ``WriteBehind.supersede``); one restored
+        at start from the old record and still held is released."""
+        if self.state is not None:
+            self.state.supersede(key)
+            self.on_superseded(key)
 
     def forget(self, key: SessionKey) -> bool:
         """Loop thread: drop the record of a session not open here (a Close after a restart);

@@ -459,6 +459,13 @@ class WriteBehind:
             if closed or not b.shared:
                 self._writer.submit(b.delete, key)
 
+    def supersede(self, key: SessionKey) -> None:
+        """A new state is created under ``key`` (a fork's target): a record of it from an earlier
+        run, not restored, is dropped from the index (the new state's record overwrites its file),
+        so the index's TTL sweep never removes the new state's record."""
+        if self._dir is not None:
+            self._dir.unindex(key)
+
     def forget(self, key: SessionKey) -> bool:
         """A Close of a session not open here: remove its records everywhere; True if the state
         dir held an unclaimed record of it (the session existed, as far as this server knows)."""

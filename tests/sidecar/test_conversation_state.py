@@ -29,7 +29,8 @@ from toktier_sidecar.statedir import CONV_SUFFIX, key_digest, record_name
 from sidecar_harness import registry, start_sidecar, wait_until  # noqa: F401  (fixtures)
 from test_conversation_ops import TOOLS, same, toks  # noqa: F401  (fixture)
 from test_state_dir import restores, serve
-from test_state_preload import preload, preloaded
+from test_state_preload import preload as preload_counts
+from test_state_preload import preloaded
 from test_state_store import store_server  # noqa: F401  (fixture)
 
 KIND = "conversation"
@@ -112,12 +113,12 @@ def test_conversations_are_restored_at_start_and_held_until_their_first_op(start
         for name in ("a", "b"):
             r = handles[name].append_messages(MORE)
             same(r, local[name].append_messages(MORE))
-        assert preload(sc)["claimed"] == 2 and restores(sc)["ok"] == 2
+        assert preload_counts(sc)["claimed"] == 2 and restores(sc)["ok"] == 2
         assert c.call(P.ConvClose(id=c.next_id(), conversation="closed")).existed  # a held one: forgotten
         assert wait_until(lambda: not os.path.exists(conv_path(state, "closed")))
         s = c.session("a", tokenizer="llama3", text="a session next to conversation a")
         assert s.last.first_changed == len(s.last.ids)  # the session of the same id, held apart
-        assert preload(sc)["claimed"] == 3
+        assert preload_counts(sc)["claimed"] == 3
 
 
 def test_forks_and_sessions_of_the_same_id_are_kept_apart(start_sidecar, tmp_path, toks):
@@ -294,3 +295,42 @@ def test_an_ended_conversation_loses_its_record(start_sidecar, tmp_path, cause):
             first.append_messages([{"role": "user", "content": "still there?"}])
         assert ei.value.reason == cause
         assert wait_until(lambda: not os.path.exists(conv_path(state, "first")))
+
+
+@pytest.mark.parametrize("preload", [False, True])
+def test_a_fork_over_an_unrestored_record_replaces_it(start_sidecar, tmp_path, toks, preload):
+    """A fork to an id whose record (from the previous run) was never opened takes that id over:
+    the old record leaves the index (and, restored at start, its held state is released), the
+    fork's record replaces its file, and a later restart restores the fork."""
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("llama3",), state_dir=str(state), state_flush_delay=0.01, state_preload=preload)
+    tok = toks["llama3"]
+    with Client(sc.path) as c:
+        c.conversation("old", tokenizer="llama3").append_messages([{"role": "user", "content": "the old one"}])
+        h = c.conversation("src", tokenizer="llama3")
+        h.append_messages(FIRST)
+    sc.restart()
+    local = toktier.Conversation(tok)
+    local.append_messages(FIRST)
+    if preload:
+        assert preloaded(sc)["restored"] == 2
+    with Client(sc.path) as c:
+        h = c.conversation("src", tokenizer="llama3")  # restored
+        fork = h.fork("old")  # over the record of "old", which nobody opened
+        same_ids = np.array_equal(fork.last.ids, local.ids)
+        assert same_ids
+        assert not sc.sidecar.state_dir.indexed(conv_key("old"))
+        if preload:
+            assert not sc.sidecar.preload.held and preload_counts(sc)["released"] == 1
+        r = fork.append_messages(MORE)
+        same(r, local.append_messages(MORE))
+        wait_for_conv_record(state, "old", r.seq)
+    sc.restart()
+    with Client(sc.path) as c:
+        again = c.conversation("old", tokenizer="llama3")
+        assert np.array_equal(again.last.ids, local.ids)
+
+
+def conv_key(conversation: str):
+    from toktier_sidecar.conversations import conversation_key
+    return conversation_key(os.getuid(), conversation)
