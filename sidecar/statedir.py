@@ -8,8 +8,9 @@ blake2b hash of its namespace and id, never by a name a client spells; the index
 found at start and not yet claimed), the bookkeeping of restore at start (:class:`Preload`:
 sessions restored from the index before their first op, held until it comes) and the
 tokenizer caches' files (:class:`CacheFiles`).
-The record format is :mod:`toktier.persist`'s; the shared Valkey/Redis backend is
-:mod:`toktier_sidecar.statestore`'s.
+The record format is :mod:`toktier.persist`'s (a conversation's: :mod:`toktier.conversation_record`,
+files ending ``CONV_SUFFIX``, written and ended on the same schedule, restored by a replay); the
+shared Valkey/Redis backend is :mod:`toktier_sidecar.statestore`'s.
 
 Why one snapshot per session rather than an append-only log: a snapshot is self-contained
 (restore reads one record, checks one checksum and its tiling: :mod:`toktier.persist`), a crash mid-write leaves
@@ -60,7 +61,7 @@ from toktier.persist import (
 log = logging.getLogger(__name__)
 
 SUFFIX = ".rec"
-#: A conversation's record (:mod:`toktier.conversation_record`): restored by its first op only.
+#: A conversation's record (:mod:`toktier.conversation_record`): replayed, not read back as a state.
 CONV_SUFFIX = ".conv"
 CACHE_SUFFIX = ".l1"
 #: The first part of a conversation key's namespace (``toktier_sidecar.conversations``).
@@ -208,7 +209,7 @@ class StateDir:
         self.ttl = ttl
         #: Session records found at start and not yet claimed: file name -> its mtime and size.
         self.index: dict[str, IndexEntry] = {}
-        #: The same for conversation records (never preloaded: restored by their first op).
+        #: The same for conversation records (preloaded with the sessions', replayed when restored).
         self.conv_index: dict[str, IndexEntry] = {}
         self.write_errors = 0
 
