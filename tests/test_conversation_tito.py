@@ -431,6 +431,11 @@ def test_add_generation_prompt_false_pins_after_the_prompt(tally):
     m.check(r, tally)
     assert m.conv.text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\nhello<|eot_id|>")
     assert r.drift is None
+    # with the tool result after it in the same op, and a non-canonical run (drift)
+    split = [i for ch in "again" for i in m.tok.encode(ch).tolist()] + m.sample("")
+    r = m.generate(split, then=[{"role": "ipython", "content": "{\"out\": 2}"}])
+    m.check(r, tally)
+    assert r.drift is not None and not m.conv.text.endswith("assistant<|end_header_id|>\n\n")
 
 
 def test_stop_is_start_strips_the_ambiguous_token(tally):
