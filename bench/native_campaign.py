@@ -26,6 +26,7 @@ import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,26 +36,35 @@ EXTRA = ["'", "'s", "'re", "'LL", "ſ", "/", "//", "\u0301", "ǅ", "ʰ", "あ", 
          " ", "  ", ".", "\t", "\u200d", "中", "Ab", "aB", "\u3000", "\x00", "1", "゛", "\u00a0", "'Ve", "+/", "/\n"]
 
 
-def _text(rng: random.Random, real: list[str], atoms: list[str], lits: list[str], n_chars: int) -> str:
+def _assemble(n_chars: int, part: Callable[[], str]) -> str:
+    """At least ``n_chars`` characters of ``part()`` results, concatenated."""
     parts: list[str] = []
     size = 0
     while size < n_chars:
+        parts.append(part())
+        size += len(parts[-1])
+    return "".join(parts)
+
+
+def _real_slice(rng: random.Random, real: list[str]) -> str:
+    src = rng.choice(real)
+    a = rng.randrange(max(1, len(src) - 2000))
+    return src[a:a + rng.randint(1, 2000)]
+
+
+def _text(rng: random.Random, real: list[str], atoms: list[str], lits: list[str], n_chars: int) -> str:
+    def part() -> str:
         kind = rng.random()
         if kind < 0.5:
-            src = rng.choice(real)
-            a = rng.randrange(max(1, len(src) - 2000))
-            part = src[a:a + rng.randint(1, 2000)]
-        elif kind < 0.85:
-            part = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 80)))
-        elif kind < 0.97:
+            return _real_slice(rng, real)
+        if kind < 0.85:
+            return "".join(rng.choice(atoms) for _ in range(rng.randint(1, 80)))
+        if kind < 0.97:
             cps = [rng.choice((rng.randrange(0x80), rng.randrange(0x80, 0x3000), rng.randrange(0x3000, 0x10000),
                                rng.randrange(0x10000, 0x110000))) for _ in range(rng.randint(1, 40))]
-            part = "".join(chr(c) for c in cps if not 0xD800 <= c <= 0xDFFF)
-        else:
-            part = rng.choice(lits) if lits else " "
-        parts.append(part)
-        size += len(part)
-    return "".join(parts)
+            return "".join(chr(c) for c in cps if not 0xD800 <= c <= 0xDFFF)
+        return rng.choice(lits) if lits else " "
+    return _assemble(n_chars, part)
 
 
 # ASCII atoms for the block scanner (`Engine::pretok_block`): its views end at moving positions,
@@ -67,21 +77,14 @@ ASCII_ATOMS = ["a", "Z", "word", " word", "  x", "s", "re", "LL", "'", "'s", "'T
 def _ascii_text(rng: random.Random, real: list[str], n_chars: int) -> str:
     """An all-ASCII text (a 1-byte str): real slices with other characters dropped, atoms, and
     runs of one atom 50-300 long (longer than a block view)."""
-    parts: list[str] = []
-    size = 0
-    while size < n_chars:
+    def part() -> str:
         kind = rng.random()
         if kind < 0.5:
-            src = rng.choice(real)
-            a = rng.randrange(max(1, len(src) - 2000))
-            part = "".join(c for c in src[a:a + rng.randint(1, 2000)] if c < "\x80")
-        elif kind < 0.9:
-            part = "".join(rng.choice(ASCII_ATOMS) for _ in range(rng.randint(1, 200)))
-        else:
-            part = rng.choice(ASCII_ATOMS) * rng.randint(50, 300)
-        parts.append(part)
-        size += len(part)
-    return "".join(parts)
+            return "".join(c for c in _real_slice(rng, real) if c < "\x80")
+        if kind < 0.9:
+            return "".join(rng.choice(ASCII_ATOMS) for _ in range(rng.randint(1, 200)))
+        return rng.choice(ASCII_ATOMS) * rng.randint(50, 300)
+    return _assemble(n_chars, part)
 
 
 def _regex_table():

@@ -58,16 +58,15 @@ def wait(cond, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def serve(name: str, tmp: str, store: str | None) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(tmp, f"{name}.sock")
-    args = [sys.executable, "-m", "toktier", "serve", "--socket", sock, "--shm-prefix", f"ttbench{name}{os.getpid()}",
-            "--log-level", "WARNING", "--verify-rate", "0", "--max-session-chars", str(8 << 20)]
-    if store:
-        args += ["--state-store", store]
-    proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+def start_serve(argv: list[str], sock: str) -> subprocess.Popen:
+    """Run ``toktier serve`` with ``argv`` (listening on ``sock``; a stale socket file is removed)
+    and return once it answers a ping."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(sock)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
 
     def up() -> bool:
-        assert proc.poll() is None, f"toktier serve {name} exited"
+        assert proc.poll() is None, f"toktier serve ({sock}) exited"
         try:
             with Client(sock, reconnect=False) as c:
                 c.ping()
@@ -75,7 +74,16 @@ def serve(name: str, tmp: str, store: str | None) -> tuple[subprocess.Popen, str
         except Exception:
             return False
     wait(up)
-    return proc, sock
+    return proc
+
+
+def serve(name: str, tmp: str, store: str | None) -> tuple[subprocess.Popen, str]:
+    sock = os.path.join(tmp, f"{name}.sock")
+    args = [sys.executable, "-m", "toktier", "serve", "--socket", sock, "--shm-prefix", f"ttbench{name}{os.getpid()}",
+            "--log-level", "WARNING", "--verify-rate", "0", "--max-session-chars", str(8 << 20)]
+    if store:
+        args += ["--state-store", store]
+    return start_serve(args, sock), sock
 
 
 def timed(sock: str, session: str, text: str) -> tuple[float, str]:
@@ -135,20 +143,7 @@ def restart_part(args) -> None:
         argv.append("--no-state-preload")
 
     def start() -> subprocess.Popen:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(sock)
-        proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-
-        def up() -> bool:
-            assert proc.poll() is None, "toktier serve exited"
-            try:
-                with Client(sock, reconnect=False) as c:
-                    c.ping()
-                return True
-            except Exception:
-                return False
-        wait(up)
-        return proc
+        return start_serve(argv, sock)
 
     def stop(proc: subprocess.Popen) -> None:
         proc.send_signal(signal.SIGTERM)
