@@ -125,15 +125,16 @@ def json_problem(value: Any, where: str) -> str | None:
     return None
 
 
-def check_messages(messages: list[dict[str, Any]]) -> int:
-    """Refuse messages a chat template cannot be given (BadRequest naming the field); returns
-    their text size in code points (strings anywhere in them), which decides where the op runs."""
+def check_messages(messages: list[dict[str, Any]], field: str = "messages") -> int:
+    """Refuse messages a chat template cannot be given (BadRequest naming the field: `field` is
+    the request's); returns their text size in code points (strings anywhere in them), which
+    decides where the op runs."""
     chars = 0
     for i, m in enumerate(messages):
         role = m.get("role")
         if not isinstance(role, str):
-            raise BadRequest(f"messages[{i}].role must be a string, got {type(role).__name__}")
-        problem = json_problem(m, f"messages[{i}]")
+            raise BadRequest(f"{field}[{i}].role must be a string, got {type(role).__name__}")
+        problem = json_problem(m, f"{field}[{i}]")
         if problem is not None:
             raise BadRequest(problem)
         chars += _text_chars(m)
@@ -696,7 +697,7 @@ class ConvAppendGeneratedHandler(_ConvChange[P.ConvAppendGenerated]):
             raise BadRequest(f"ids is {len(req.ids)} bytes: packed uint32 IDs are a multiple of 4 bytes")
         if n > P.MAX_GENERATED_IDS:
             raise BadRequest(f"ids holds {n} IDs; at most {P.MAX_GENERATED_IDS} per request")
-        new = slot.chars + check_messages(req.then)  # as append_messages checks its messages
+        new = slot.chars + check_messages(req.then, "then")  # as append_messages checks its messages
         if req.then and new > svc.config.max_session_chars:
             raise TooLarge(f"conversation text would be about {new} code points; the limit is "
                            f"{svc.config.max_session_chars}")

@@ -235,6 +235,27 @@ def test_track_drift_off_keeps_no_reference(sc, toks):
             c.conversation("bad", tokenizer="qwen3", incremental=False)  # the core's own parameter
 
 
+def test_then_is_checked_like_appended_messages(start_sidecar, toks):
+    """Bad `then` messages are refused before anything changes: not JSON-able (bad_request), too
+    big for the server (too_large); the conversation is as before and goes on."""
+    sc = start_sidecar(tokenizers=("llama3",), max_session_chars=5_000)
+    tok = toks["llama3"]
+    local = toktier.Conversation(tok)
+    with Client(sc.path) as c:
+        h = c.conversation("checked", tokenizer="llama3")
+        same(h.append_messages([{"role": "user", "content": "hi"}]), local.append_messages([{"role": "user",
+                                                                                               "content": "hi"}]))
+        ids = tok.encode("hello<|eot_id|>")
+        with pytest.raises(E.TooLarge):
+            h.append_generated(ids, then=[{"role": "tool", "content": "x" * 6_000}])
+        with pytest.raises(E.BadRequest, match=r"then\[0\]\.role"):
+            h.append_generated(ids, then=[{"content": "no role"}])
+        with pytest.raises(E.BadRequest, match=r"then\[1\]\.content is bytes"):  # msgpack carries it, JSON cannot
+            h.append_generated(ids, then=[{"role": "tool", "content": "ok"}, {"role": "tool", "content": b"\x00"}])
+        r = h.append_generated(ids, then=[{"role": "ipython", "content": "ok"}])
+        same(r, local.append_generated(ids, then=[{"role": "ipython", "content": "ok"}]))
+
+
 async def test_async_generated_then(sc, toks):
     tok = toks["qwen3"]
     local = toktier.Conversation(tok)
