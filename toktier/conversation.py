@@ -160,6 +160,16 @@ class ConversationResult:
         """The conversation's text after the op (joined on first access)."""
         return "".join(map(str, self._parts))
 
+    @property
+    def num_chars(self) -> int:
+        """len(text), in O(1) (the text is not joined)."""
+        return sum(len(p) for p in self._parts)
+
+    @property
+    def text_nbytes(self) -> int:
+        """About what `text` holds as a str, in O(1) (`Rope.nbytes`): a server's memory charge."""
+        return _text_nbytes(self._parts)
+
 
 @dataclass(frozen=True, eq=False)
 class GeneratedRun:
@@ -306,6 +316,11 @@ class Conversation:
     def num_chars(self) -> int:
         """The length of `text` in characters (O(1): the text is not joined)."""
         return (self._run_chars[-1] if self._run_chars else 0) + len(self._tail_text)
+
+    @property
+    def text_nbytes(self) -> int:
+        """About what `text` holds as a str, in O(1) (see `ConversationResult.text_nbytes`)."""
+        return _text_nbytes(self._parts())
 
     @property
     def text(self) -> str:
@@ -793,6 +808,12 @@ class Conversation:
 
 
 _EMPTY = Rope.of("")
+
+
+def _text_nbytes(parts: tuple[Rope, ...]) -> int:
+    """The joined parts' size as a str: all their characters at the widest part's width."""
+    width = max((p.nbytes // len(p) for p in parts if len(p)), default=1)
+    return sum(len(p) for p in parts) * width
 
 
 def _sync(session: Session, old: str, new: str) -> tuple[int, RepairPath]:

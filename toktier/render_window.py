@@ -208,6 +208,14 @@ def _wraps_tool_response(content: Any) -> bool:
     return isinstance(content, str) and content.startswith("<tool_response>") and content.endswith("</tool_response>")
 
 
+def _str_width(s: str) -> int:
+    """Bytes per character of `s` as CPython stores it (the widest character decides)."""
+    if s.isascii():
+        return 1
+    top = ord(max(s))
+    return 1 if top < 0x100 else 2 if top < 0x10000 else 4
+
+
 class Rope:
     """An immutable text kept as a chain of pieces, so that replacing its end does not copy it.
 
@@ -222,12 +230,16 @@ class Rope:
     ('hello there!', 12, 'o th', True)
     """
 
-    __slots__ = ("_prev", "_base", "_lo", "_hi", "_len", "_joined")
+    __slots__ = ("_prev", "_base", "_lo", "_hi", "_len", "_joined", "_width", "_base_width")
 
-    def __init__(self, prev: Rope | None, base: str, lo: int, hi: int) -> None:
+    def __init__(self, prev: Rope | None, base: str, lo: int, hi: int, base_width: int = 0) -> None:
         self._prev, self._base, self._lo, self._hi = prev, base, lo, hi
         self._len = (prev._len if prev is not None else 0) + hi - lo
         self._joined: str | None = base if prev is None and lo == 0 and hi == len(base) else None
+        # Bytes per character of `base` as a str holds it (1, 2 or 4), and the most of any piece:
+        # the joined text's size without joining it (`nbytes`).  Found once per new piece.
+        self._base_width = base_width or _str_width(base)
+        self._width = max(self._base_width, prev._width if prev is not None else 1)
 
     @classmethod
     def of(cls, text: str | Rope) -> Rope:
@@ -235,6 +247,12 @@ class Rope:
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def nbytes(self) -> int:
+        """About what the joined text holds as a str (its characters at the widest piece's width),
+        in O(1): what a server charges its memory budget for the text."""
+        return self._len * self._width
 
     def __str__(self) -> str:
         if self._joined is None:
@@ -248,6 +266,7 @@ class Rope:
             # One piece from now on: the text is kept once (ropes derived from this one share it,
             # and the older pieces go when nothing else holds them).
             self._prev, self._base, self._lo, self._hi, self._joined = None, joined, 0, len(joined), joined
+            self._base_width = self._width
         return self._joined
 
     def __eq__(self, other: object) -> bool:
@@ -284,7 +303,7 @@ class Rope:
             end -= node._hi - node._lo  # this whole piece lies at or after `start`
             node = node._prev
         if node is not None and end > start:  # `start` falls inside this piece: keep its head
-            node = Rope(node._prev, node._base, node._lo, node._hi - (end - start))
+            node = Rope(node._prev, node._base, node._lo, node._hi - (end - start), node._base_width)
         if not text:
             return node if node is not None else Rope(None, "", 0, 0)
         return Rope(node, text, 0, len(text))
