@@ -75,6 +75,11 @@ def check(conv: Conversation, result, tally, **kw) -> None:
     assert result.ids.tolist() == ref.tolist()
     assert conv.ids.tolist() == ref.tolist()
     assert result.text == conv.text
+    # the O(1) length and str size a server charges, without joining the text
+    text = result.text
+    width = 1 if text.isascii() or ord(max(text)) < 0x100 else 2 if ord(max(text)) < 0x10000 else 4
+    assert result.num_chars == conv.num_chars == len(text)
+    assert result.text_nbytes == conv.text_nbytes and len(text) * width <= result.text_nbytes <= 4 * len(text)
     assert result.drift is None
     assert not conv.ids.flags.writeable
     tally(tok, "ids", 1)
