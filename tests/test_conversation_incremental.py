@@ -463,6 +463,21 @@ def test_rope_equals_the_string_it_stands_for():
             assert len(rope) == len(text) and rope.endswith(text[a:]), seed
         for r, t in history:  # persistent: every earlier rope still spells its own text
             assert str(r) == t and r == t, seed
+            # Its size as a str: every character at the widest one's width (no more than the pieces').
+            top = max(map(ord, t), default=0)
+            assert r.nbytes >= len(t) * (1 if top < 0x100 else 2 if top < 0x10000 else 4), seed
+
+
+@pytest.mark.parametrize("text", ["", "a", "ab" * 999, "\u00e9", "a" * 5000 + "\u00ff", "\u20ac" * 7,
+                                  "a" * 300 + "\u20ac", "\U0001f642", "x" * 3 + "\U0001f642" + "\u00e9" * 9])
+def test_str_width_is_the_widest_characters_width(text):
+    """`render_window._str_width` (read from the object's size) against the characters themselves,
+    for strs built every way (literals, concatenation, slices that narrow a wide str)."""
+    top = max(map(ord, text), default=0)
+    want = 1 if top < 0x100 else 2 if top < 0x10000 else 4
+    assert render_window._str_width(text) == want
+    assert render_window._str_width(text + "\u20ac") == max(want, 2)
+    assert render_window._str_width((text + "\U0001f642")[:-1]) == want  # a slice gets the narrowest layout
 
 
 # A template that carries state across the whole conversation the way DeepSeek V3 does: only the

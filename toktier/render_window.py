@@ -10,15 +10,15 @@ The window scheme
 -----------------
 Stored: the text S of render(old, gp) (or the part of it after a pinned run's marker, see
 `cut`) and L, the length of S without the generation prompt (None: unknown, derived here).
-Messages are appended one at a time (each step's result is the next step's S).  The window of
-`old` is ``head + old[c:]``: c leaves WINDOW to WINDOW + STEP - 1 old messages and moves in
+The window of `old` is ``head + old[c:]``: c leaves WINDOW to WINDOW + STEP - 1 old messages and moves in
 steps of STEP (so one op's render is the next op's window render: `Memo`); head = [old[0]], the
 last user message before c and, when that one wraps a tool response, the query before it
 (templates key on the first message: system prompt, BOS; and on the last query: Qwen3's think
 blocks).  A conversation too short for that is its own window (then every render below is the
-exact render).  Let H = render(head), A = render(window), B = render(window + [m], gp),
-C = render(window + [m]).  Several messages appended in one op keep the first one's window,
-grown by the messages before them (each step's A is then the previous step's render).
+exact render).  Let H = render(head), A = render(window), B = render(window + new, gp),
+C = render(window + new), with `new` all the messages one op appends (rendered after the window
+at once: the same text as appending them one at a time, each through the first one's window
+grown by the messages before it, with fewer renders; see `append`).
 
 Head schemes.  Scheme 0 is the head above.  Scheme 1, the *state head*, adds the latest message
 of every role before c (DeepSeek V3 carries state across the whole conversation: only the first
@@ -81,6 +81,7 @@ import bisect
 import collections
 import hashlib
 import json
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -208,10 +209,19 @@ def _wraps_tool_response(content: Any) -> bool:
     return isinstance(content, str) and content.startswith("<tool_response>") and content.endswith("</tool_response>")
 
 
+#: A compact non-ASCII str's size past its characters (and their terminator), as this CPython has it.
+_NONASCII_HEADER = sys.getsizeof("\xe9") - 2
+
+
 def _str_width(s: str) -> int:
-    """Bytes per character of `s` as CPython stores it (the widest character decides)."""
+    """Bytes per character of `s` as CPython stores it (the widest character decides), in O(1)
+    from the object's size (a 100K-character str's ``max`` costs a third of a millisecond); a
+    size that does not fit the compact layout falls back to reading the characters."""
     if s.isascii():
         return 1
+    room, per = sys.getsizeof(s) - _NONASCII_HEADER, len(s) + 1
+    if room % per == 0 and room // per in (1, 2, 4):
+        return room // per
     top = ord(max(s))
     return 1 if top < 0x100 else 2 if top < 0x10000 else 4
 
@@ -309,77 +319,36 @@ class Rope:
         return Rope(node, text, 0, len(text))
 
 
-class _Stored:
-    """A rope being appended to: base[:start] + extra, read near its end."""
-
-    __slots__ = ("base", "start", "extra")
-
-    def __init__(self, base: Rope, start: int, extra: str) -> None:
-        self.base, self.start, self.extra = base, start, extra
-
-    def __len__(self) -> int:
-        return self.start + len(self.extra)
-
-    def slice(self, a: int, b: int) -> str:
-        if a >= self.start:
-            return self.extra[a - self.start:b - self.start]
-        if b <= self.start:
-            return self.base.slice(a, b)
-        return self.base.slice(a, self.start) + self.extra[:b - self.start]
-
-    def endswith(self, s: str) -> bool:
-        n = len(self)
-        return len(s) <= n and self.slice(n - len(s), n) == s
-
-
 def append(render: Render, old: Sequence[dict], new: Sequence[dict], stored: str | Rope, L: int | None,
            stored_gp: bool, gp: bool, cut: Callable[[str], int | None] | None = None,
            memo: Memo | None = None, roles: Mapping[str, Sequence[int]] | None = None,
            scheme: int = 0) -> Appended | None:
-    """The windowed append of `new` to `old`, one message at a time (module docstring), or None
-    when a check fails.
+    """The windowed append of `new` to `old` (module docstring), or None when a check fails.
 
     `stored` is the text the caller holds for `old` (rendered with `stored_gp`), `L` its length
     without the generation prompt if known; the result is rendered with `gp`.  `cut(text)`: where
     the stored text starts inside a render of the window (right after a pinned run's marker), or
-    None; absent, the stored text is the whole render.  Each message is appended to the result of
-    the previous one (the checks run at every step), so a message is rendered through the window
-    only as the last one, as the locality probe tried it.  The window found for the first message
-    is kept for the next ones (it grows by the messages appended before them): a step's window
-    render is then the previous step's render (`Memo`), and a window only ever holds more context
-    than `window` gives.  `roles`, `scheme`: see `window`.
+    None; absent, the stored text is the whole render.  `roles`, `scheme`: see `window`.
+
+    The window is found for `old` and every new message is rendered after it at once: one render
+    of the window plus all of `new` (and one without the generation prompt).  Appending them one at
+    a time through that window (each step's window grown by the messages before it, as the
+    locality probe tries a message second in an append) gives the same text: every step's text
+    after the anchor is its render's, so only the last render reaches the result; the steps
+    before it would only render more.
     """
     if not old or not new:
         return None
     if memo is not None:
         plain = render
         render = lambda messages, agp: memo.render(plain, messages, agp)  # noqa: E731
-    text = _Stored(Rope.of(stored), len(stored), "")
-    messages = list(old)
-    windowed = False
-    fixed: tuple[list[dict], list[dict]] | None = None
-    for i, message in enumerate(new):
-        # Only the last step renders the generation prompt (one render fewer per earlier message).
-        step_gp = gp if i == len(new) - 1 else False
-        step = _append_one(render, messages, message, text, L, stored_gp, step_gp, cut, fixed, roles, scheme)
-        if step is None:
-            return None
-        L, partial, fixed = step
-        windowed = windowed or partial
-        stored_gp = step_gp
-        messages.append(message)
-    at = min(text.start, len(stored))
-    return Appended(at, text.slice(at, len(text)), L, windowed)
+    return _append_all(render, list(old), list(new), Rope.of(stored), L, stored_gp, gp, cut, roles, scheme)
 
 
-def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored, L: int | None, stored_gp: bool,
+def _append_all(render: Render, old: list[dict], new: list[dict], stored: Rope, L: int | None, stored_gp: bool,
                 gp: bool, cut: Callable[[str], int | None] | None,
-                fixed: tuple[list[dict], list[dict]] | None = None,
-                roles: Mapping[str, Sequence[int]] | None = None, scheme: int = 0,
-                ) -> tuple[int, bool, tuple[list[dict], list[dict]]] | None:
-    """One windowed append; on success `stored` holds the new text, and (the new L, whether the
-    window was less than the whole history, the (head, window) the next message may use) is
-    returned.  `fixed`: the (head, window) to use (the previous step's, grown), else `window`'s.
+                roles: Mapping[str, Sequence[int]] | None = None, scheme: int = 0) -> Appended | None:
+    """The windowed append of `new` to `old` (see `append`).
 
     Renders are compared from an anchor on: the end of the head's text, or, when the window
     reaches back over a pinned run's marker, the point right after the marker (what precedes it
@@ -387,10 +356,10 @@ def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored,
     after the anchor (Qwen3 closes a tool-response group only after its last tool turn, and
     renders an empty think block before a *last* assistant turn only): the stored text is edited
     from the first difference."""
+    n = len(stored)
     try:
         # The boundary disagrees: one message further back, twice at most.
-        windows = [fixed] if fixed is not None else (window(old, wider, roles, scheme) for wider in range(WIDER))
-        for head, ctx in windows:
+        for head, ctx in (window(old, wider, roles, scheme) for wider in range(WIDER)):
             A = render(ctx, False)
             H = render(head, False) if head else ""
             # The window's own text starts where A and H part (H may end with what the template
@@ -411,8 +380,8 @@ def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored,
                     G = Ag[len(A):]
                 if not stored.endswith(G):
                     return None
-                L = len(stored) - len(G)
-            if not 0 <= L <= len(stored):
+                L = n - len(G)
+            if not 0 <= L <= n:
                 return None
             crossing = cut is not None and (len(own) > L or not head)
             if not crossing:
@@ -427,29 +396,25 @@ def _append_one(render: Render, old: list[dict], message: dict, stored: _Stored,
         else:
             return None
         base = L - (len(A) - a)  # where A[a:] starts in the stored text
-        B = render([*ctx, message], gp)
+        B = render([*ctx, *new], gp)
         b = _anchor(B, A[:h], crossing, cut)
         if b is None:
             return None
         Ax, Bx = A[a:], B[b:]
         end = base + len(Bx)
         if gp:
-            C = render([*ctx, message], False)
+            C = render([*ctx, *new], False)
             c = _anchor(C, A[:h], crossing, cut)
             if c is None or not Bx.startswith(C[c:]):
                 return None
             end = base + len(C) - c
     except (ChatTemplateError, InvalidChatInput):
         return None
-    # The new text: stored[:base + q] + Bx[q:] (kept as base[:start] + extra), q the shared length.
+    # The new text: stored[:base + q] + Bx[q:], q the length the window's old and new texts share.
+    # (base + q <= L <= len(stored): the edit starts inside the stored text.)
     q = match_forward(Ax, 0, Bx, 0, min(len(Ax), len(Bx)))
-    at = base + q
-    if at >= stored.start:
-        stored.extra = stored.extra[:at - stored.start] + Bx[q:]
-    else:
-        stored.start, stored.extra = at, Bx[q:]
     # Windowed only when the window left messages out (a window holding them all renders exactly).
-    return end, len(ctx) < len(old), (head, [*ctx, message])
+    return Appended(base + q, Bx[q:], end, len(ctx) < len(old))
 
 
 def _anchor(text: str, H: str, crossing: bool, cut: Callable[[str], int | None] | None) -> int | None:
