@@ -64,8 +64,11 @@ included for every engine):
 * ``render-only`` (not an engine: a yardstick): the same whole-conversation render with no
   tokenization, the floor under every engine that renders everything each turn.
 
-Engines run in rotating order turn by turn (engine k first on turn k, ...), so machine noise and
-cache pollution hit them alike; ratios are from the same run.  Each session start (system + task)
+Engines run in a seeded random order each turn, so machine noise and cache pollution hit them
+alike; ratios are from the same run.  (A rotating order, used before 1 December 2026, keeps the
+cyclic order: the same engine always ran right after the same other one, and the engine after
+a whole-text encode ran with cold caches on every turn: in text mode, where ``toktier`` and
+``toktier-nodrift`` do the same work, their P50s differed 2.2x at 100K that way.)  Each session start (system + task)
 is untimed.
 
 **Checks.**  On every turn while the prompt is under 300K characters and on every ``--every``-th
@@ -573,6 +576,8 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
     same_as_tito: list[int | None] = []  # per checked turn: first index where toktier and tito differ
     first_split_at: int | None = None  # prompt index of the first non-canonical sampled token
     prompt_tokens = len(starts[ref_engine.name])
+    shuffle = random.Random(f"{ro.family.name}/{mode}").shuffle  # who runs after whom: random, reproducible
+    run_order = list(engines)
     for t, turn in enumerate(ro.turns):
         last = t == len(ro.turns) - 1
         check = turn.prompt_chars < DENSE_CHECK_BELOW or t % every == 0 or last
@@ -585,8 +590,8 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
         step = Step(turn.assistant, sampled, list(turn.results), messages)
         bucket = bucket_of(turn.prompt_chars)
         got: dict[str, np.ndarray] = {}
-        k = t % len(engines)
-        for e in engines[k:] + engines[:k]:
+        shuffle(run_order)
+        for e in run_order:
             if e is ref_engine and not check:
                 continue
             t0 = time.perf_counter()
