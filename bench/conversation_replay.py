@@ -68,12 +68,17 @@ Engines run in a seeded random order each turn, so machine noise and cache pollu
 alike; ratios are from the same run.  (A rotating order, used before 1 December 2026, keeps the
 cyclic order: the same engine always ran right after the same other one, and the engine after
 a whole-text encode ran with cold caches on every turn: in text mode, where ``toktier`` and
-``toktier-nodrift`` do the same work, their P50s differed 2.2x at 100K that way.)  Each session start (system + task)
-is untimed.
+``toktier-nodrift`` do the same work, their P50s differed 2.2x at 100K that way.)  Each session
+start (system + task) is untimed.
 
-**Checks.**  On every turn while the prompt is under 300K characters and on every ``--every``-th
-turn (default 8) above, plus the last turn, the reference (render + HF encode) runs and every
-engine's IDs are compared with it.  Text mode: any difference is a divergence (exit status 1).
+**Checks.**  On every turn while the prompt is under ``--dense-below`` characters (default 300K)
+and on every ``--every``-th turn (default 8) above, plus the last turn, the reference (render +
+HF encode) runs and every engine's IDs are compared with it.  The reference is a whole-text
+encode (60-200 ms at 100K-300K) that sweeps the CPU caches, so whichever engines run after it
+in that turn run cold: where every turn is checked, the timings are of engines that follow a
+60-200 ms cache sweep about half the time, a harder setting than a server's (whose other work
+between two turns of one conversation is mostly other conversations' ops on the same tables).
+``--dense-below 0`` checks every ``--every``-th turn everywhere (the same engines, fewer sweeps).  Text mode: any difference is a divergence (exit status 1).
 Token modes: each engine's first differing index is its *drift* (reported, not an error);
 TokTier's ``res.drift`` is compared with that independent computation, and TokTier's IDs with
 the ``tito`` baseline's (two implementations of one TITO definition).
@@ -552,7 +557,8 @@ def bucket_of(chars: int) -> str:
     return label
 
 
-def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, log=print) -> dict:
+def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, log=print,
+           dense_below: int = DENSE_CHECK_BELOW) -> dict:
     """Replay `ro` through the engines, interleaved turn by turn; timings, checks, drift."""
     engines = build_engines(ro, mode, engine_names, log)
     ref_engine = next((e for e in engines if e.name == "render+hf"), None)
@@ -580,7 +586,7 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
     run_order = list(engines)
     for t, turn in enumerate(ro.turns):
         last = t == len(ro.turns) - 1
-        check = turn.prompt_chars < DENSE_CHECK_BELOW or t % every == 0 or last
+        check = turn.prompt_chars < dense_below or t % every == 0 or last
         sampled = None
         if mode != "text":
             sampled = turn.split if turn.split is not None and mode == "tokens+split" else turn.sampled
@@ -750,7 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="text,tokens,tokens+split")
     ap.add_argument("--engines", default="toktier,render+hf,render+fastokens,tito,tito-full,render-only")
     ap.add_argument("--chars", type=int, default=2_200_000, help="grow each rollout to this many characters")
-    ap.add_argument("--every", type=int, default=8, help=f"check every N-th turn at >= {DENSE_CHECK_BELOW:,} chars")
+    ap.add_argument("--every", type=int, default=8, help="check every N-th turn at >= --dense-below chars")
+    ap.add_argument("--dense-below", type=int, default=DENSE_CHECK_BELOW,
+                    help="check every turn below this many prompt characters (0: every N-th turn everywhere)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="every family to ~120K chars, every mode (< 1 min)")
     ap.add_argument("--json", help="write every result here")
@@ -770,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
         names.remove("toktier")
     print(f"## conversation replay — {platform.machine()}, {os.cpu_count()} cores, python "
           f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-          f"rollouts to {args.chars:,} chars, seed {args.seed}; per-turn ms, engines interleaved turn by turn; "
+          f"rollouts to {args.chars:,} chars, seed {args.seed}; checked: every turn below {args.dense_below:,} chars, "
+          f"every {args.every}th above; per-turn ms, engines interleaved turn by turn; "
           f"sources {_sources()}")
     all_rows, results, bad = [], [], 0
     for fam in args.families.split(","):
@@ -779,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {fam}: rollout of {len(ro.turns)} turns to {ro.turns[-1].prompt_chars:,} chars "
             f"built in {time.perf_counter() - t0:.1f}s")
         for mode in args.modes.split(","):
-            res = replay(ro, mode, names, args.every, log)
+            res = replay(ro, mode, names, args.every, log, args.dense_below)
             rows = summarize(res)
             print_result(res, rows)
             all_rows += rows
