@@ -98,6 +98,7 @@ if TYPE_CHECKING:
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 #: Names a message's reasoning is passed under; templates read the first, gpt-oss's `thinking`.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_REASONING_KEYS = frozenset(REASONING_FIELDS)
 #: transformers marks the text to continue with this tag, then cuts the render at it.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 #: jinja2 releases before 3.1.6 have known sandbox escapes (transformers refuses them too).
@@ -122,6 +123,7 @@ class ChatTemplate:
     name: str = "custom"
     origin: str = "given by the caller"
     _compiled: Any = field(init=False, repr=False, compare=False)
+    _globals: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str):
@@ -131,6 +133,9 @@ class ChatTemplate:
             raise InvalidChatInput(f"special_tokens keys must be among {SPECIAL_TOKEN_NAMES}, got {sorted(unknown)}")
         object.__setattr__(self, "special_tokens", types.MappingProxyType(dict(self.special_tokens)))
         object.__setattr__(self, "_compiled", _compile(self.source, self.name))
+        # The template's globals as one plain dict, built once: jinja2's `render` flattens its
+        # ChainMap of globals into a new dict on every call (a fifth of a small window's render).
+        object.__setattr__(self, "_globals", dict(self._compiled.globals))
 
     @classmethod
     def from_tokenizer_config(cls, config: Mapping[str, Any] | str | Path, *, name: str = "custom",
@@ -224,8 +229,16 @@ class ChatTemplate:
         if continue_final_message:
             continued = _tag_final_message(chat, self.source, continue_final_message)
         try:
-            text = self._compiled.render(messages=chat, tools=tools, documents=documents,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            # What `Template.render` does (a fresh dict of the globals and the arguments as the
+            # context's parent, the root function's output joined), with the globals as one dict
+            # built once; the context is told of no globals (only `make_module`, for imports,
+            # reads them: chat templates are rendered, never imported).
+            compiled = self._compiled
+            context = compiled.environment.context_class(
+                compiled.environment, {**self._globals, "messages": chat, "tools": tools, "documents": documents,
+                                       "add_generation_prompt": add_generation_prompt, **variables},
+                compiled.name, compiled.blocks)
+            text = "".join(compiled.root_render_func(context))
         except Exception as exc:  # the template's own raise_exception, or any failure inside it
             raise ChatTemplateError(f"chat template {self.name!r} failed: {type(exc).__name__}: {exc}") from exc
         if continued is not None:
@@ -527,9 +540,10 @@ def _plain(value: Any) -> Any:
 def _alias_reasoning(chat: list[dict]) -> list[dict]:
     out = []
     for message in chat:
-        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if not _REASONING_KEYS.isdisjoint(message):  # (most messages have none: one set test each)
+            reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
     return out
 
