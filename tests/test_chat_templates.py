@@ -319,6 +319,43 @@ def test_sandbox_refuses_unsafe_access():
         chat.render(CONVERSATIONS["user"], "{{ messages.append(1) }}")
 
 
+# Attribute reads the faster sandbox answers from its per-(type, name) memo: each template is
+# rendered several times (the first read asks jinja2, the later ones the memo) and must give what
+# jinja2's own ImmutableSandboxedEnvironment gives every time, a SecurityError included.
+MEMO_READS = [
+    "{% for m in messages %}{{ loop.index0 }}{{ loop.first }}{{ loop.last }}{{ m.content.upper() }}"
+    "{{ m.content.startswith('h') }}{% endfor %}",
+    "{% set ns = namespace(a=1, b='x') %}{{ ns.a }}{% set ns.a = ns.a + 1 %}{{ ns.a }}{{ ns.b.upper() }}",
+    "{{ '{}-{}'.format(1, messages[0].role) }}{% set f = '{0}'.format %}{{ f(2) }}{{ '{x}'.format_map({'x': 3}) }}",
+    "{{ '{0.__class__}'.format(messages) }}",
+    "{{ '{m.__class__.__mro__}'.format_map({'m': messages}) }}",
+    "{% set f = 'a{0.__class__}'.format %}{{ f(messages) }}",
+    "{{ messages[0].content.__class__ }}",
+    "{{ messages.pop() }}",
+    "{{ messages[0].items() | list | length }}{{ messages[0].get('role') }}{{ (1).real }}{{ 2.5.is_integer() }}",
+]
+
+
+@pytest.mark.parametrize("source", MEMO_READS)
+def test_memoized_attribute_reads_answer_as_jinja2(source):
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["namespace"] = jinja2.utils.Namespace
+    reference = env.from_string(source)
+    ours = chat.ChatTemplate(source)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    for _ in range(3):
+        try:
+            want = reference.render(messages=copy.deepcopy(messages))
+        except Exception as exc:  # noqa: BLE001 (a SecurityError, or the template's own error)
+            with pytest.raises(ChatTemplateError, match=type(exc).__name__):
+                ours.render(copy.deepcopy(messages))
+            continue
+        assert ours.render(copy.deepcopy(messages)) == want
+        assert ours.bind()(chat.prepare_messages(messages), False) == want
+
+
 def test_message_objects_and_none_keys():
     from dataclasses import dataclass
 

@@ -409,6 +409,7 @@ def _compile(source: str, name: str) -> Any:
 #: Types whose attribute safety is a function of (type, attribute name) alone: exact builtins,
 #: which have no instance __dict__, no __class__ override and no metaclass tricks.
 _PLAIN_TYPES = frozenset({str, dict, list, tuple, int, float, bool, type(None)})
+_METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
 _ENV_CLASS: Any = None
 #: The running `BoundTemplate`'s tojson memo (None outside one).
 _JSON_MEMO: contextvars.ContextVar[dict[int, tuple[Any, dict[Any, str]]] | None] = contextvars.ContextVar(
@@ -424,6 +425,8 @@ def _environment_class(jinja2: types.ModuleType) -> Any:
       unused), so it is the same for every object of the type.
     - `getattr(message, "role")` on an exact dict whose type has no such attribute goes straight
       to the item (jinja2 tries the attribute first, raising and catching AttributeError).
+    - An attribute already found safe on an object of such a type (`content.startswith`,
+      `loop.index0`) is returned directly: the same answer, without asking again.
     Everything else is jinja2's own code.
     """
     global _ENV_CLASS
@@ -451,11 +454,24 @@ def _environment_class(jinja2: types.ModuleType) -> Any:
             return safe
 
         def getattr(self, obj: Any, attribute: str) -> Any:
-            if type(obj) is dict and type(attribute) is str and attribute not in dict_attrs:
+            kind = type(obj)
+            if kind is dict and type(attribute) is str and attribute not in dict_attrs:
                 try:  # what jinja2 does once getattr(obj, attribute) raised AttributeError
                     return obj[attribute]
                 except LookupError:
                     return self.undefined(obj=obj, name=attribute)
+            # An attribute of an object whose safety is a function of (type, name) (exact builtins:
+            # `content.startswith`; `loop.index0`; `ns.last_query_index`), found safe before:
+            # jinja2's answer without asking again.  A str's `format` / `format_map` (whatever
+            # the name it is reached by) takes jinja2's path, which wraps it in its sandboxed formatter.
+            if kind in self.cached_types and self._safe.get((kind, attribute)) is True:
+                try:
+                    value = getattr(obj, attribute)
+                except AttributeError:
+                    return super().getattr(obj, attribute)
+                if type(value) in _METHOD_TYPES and value.__name__ in ("format", "format_map"):
+                    return super().getattr(obj, attribute)
+                return value
             return super().getattr(obj, attribute)
 
     _ENV_CLASS = Environment

@@ -436,7 +436,7 @@ class Conversation:
                 raise InvalidChatInput(f"append_generated(message=...) records an assistant turn, got role "
                                        f"{recorded.get('role')!r}")
         run = GeneratedRun(len(self._messages), _readonly(sampled), _readonly(kept), stop,
-                           _bytes_of(self.tokenizer, kept).decode("utf-8", "replace"),
+                           (data if len(kept) == len(sampled) else content).decode("utf-8", "replace"),
                            new_marker(f"R{len(self._runs)}"))
         gp = self.add_generation_prompt
         marker = {"role": "assistant", "content": run.marker}
@@ -943,8 +943,7 @@ def _checked_ids(ids: Any, tokenizer: FrozenTokenizer) -> np.ndarray:
 
 
 def _bytes_of(tokenizer: FrozenTokenizer, ids: np.ndarray) -> bytes:
-    table = tokenizer.token_bytes
-    return b"".join(table[i] for i in ids.tolist())
+    return b"".join(map(tokenizer.token_bytes.__getitem__, ids.tolist()))  # (no Python frame per ID)
 
 
 def _split_stop(tokenizer: FrozenTokenizer, junction: Junction, sampled: np.ndarray) -> tuple[str | None, np.ndarray]:
