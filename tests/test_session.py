@@ -373,7 +373,8 @@ def test_fast_path_switch_forces_full_and_stays_exact(tally):
 
 
 def test_char_to_byte_offsets_from_either_end():
-    """Edits convert character offsets by scanning from the nearer end, in chunks."""
+    """Edits convert character offsets by scanning from the nearer end, at most 4 bytes a
+    character of distance: every offset of texts of 1- to 4-byte characters, both halves."""
     import random
 
     from toktier.session import _byte_offset
@@ -382,6 +383,7 @@ def test_char_to_byte_offsets_from_either_end():
     for _ in range(300):
         text = "".join(rng.choice(["a", "é", "中", "😀", "\n", "\r\n"]) for _ in range(rng.randint(0, 2000)))
         buf = bytearray(text.encode())
-        for c in {0, len(text), len(text) // 2, *(rng.randint(0, len(text)) for _ in range(8))}:
-            got = _byte_offset(buf, len(text), c, chunk=rng.choice([1, 7, 64, 1 << 16]))
+        near_ends = {*range(min(len(text), 9)), *range(max(0, len(text) - 9), len(text) + 1)}
+        for c in {0, len(text), len(text) // 2, *near_ends, *(rng.randint(0, len(text)) for _ in range(8))}:
+            got = _byte_offset(buf, len(text), c)
             assert got == len(text[:c].encode()), (c, got)

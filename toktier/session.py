@@ -884,11 +884,13 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return c[np.concatenate(([True], c[1:] != c[:-1]))]
 
 
-def _byte_offset(text: bytearray, nchars: int, c: int, chunk: int = 1 << 16) -> int:
+def _byte_offset(text: bytearray, nchars: int, c: int) -> int:
     """Byte offset of character `c` of UTF-8 `text` (len(text) when c == nchars).
 
-    Counts character starts chunk by chunk from the nearer end, so an edit near
-    either end of a long text costs O(distance), not O(text).
+    Counts character starts from the nearer end, a stretch at a time: a stretch of as many bytes
+    as characters are still to pass holds at most that many starts, so the bytes read are about
+    the distance's own (one stretch for ASCII, a few for wider text) and an edit near either end
+    of a long text costs O(distance), not O(text).
     """
     n = len(text)
     if c >= nchars:
@@ -896,20 +898,21 @@ def _byte_offset(text: bytearray, nchars: int, c: int, chunk: int = 1 << 16) -> 
     arr = np.frombuffer(text, dtype=np.uint8)
     try:
         if c <= nchars // 2:
-            seen = 0
-            for lo in range(0, n, chunk):
-                starts = np.flatnonzero((arr[lo : lo + chunk] & 0xC0) != 0x80)
+            lo, seen = 0, 0  # character starts in arr[:lo]
+            while lo < n:
+                hi = min(n, lo + max(c + 1 - seen, 4096))
+                starts = np.flatnonzero((arr[lo:hi] & 0xC0) != 0x80)
                 if seen + len(starts) > c:
                     return lo + int(starts[c - seen])
-                seen += len(starts)
+                seen, lo = seen + len(starts), hi
         else:
-            want, seen = nchars - c, 0  # the want-th character start counting from the end
-            for hi in range(n, 0, -chunk):
-                lo = max(0, hi - chunk)
+            want, hi, seen = nchars - c, n, 0  # the want-th character start counting from the end
+            while hi > 0:
+                lo = max(0, hi - max(want - seen, 4096))
                 starts = np.flatnonzero((arr[lo:hi] & 0xC0) != 0x80)
                 if seen + len(starts) >= want:
                     return lo + int(starts[len(starts) - (want - seen)])
-                seen += len(starts)
+                seen, hi = seen + len(starts), lo
     finally:
         del arr  # release the buffer export before the bytearray is resized
     raise AssertionError("character count out of sync with the text")  # pragma: no cover
