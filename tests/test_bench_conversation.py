@@ -47,3 +47,16 @@ def test_replay_smallest(family):
             assert res["drift"]["tito"][-1][1] == res["first_split_at"]
         if "toktier" in ran:
             assert all(reported == ours for _, reported, ours in res["toktier_drift_reported"])
+
+
+def test_conversation_cpu_runs_and_compares_two_trees(capsys):
+    """bench.conversation_cpu: one family and mode in this process, then the A/B driver against
+    this same checkout (two subprocesses, each importing toktier from the tree it was given)."""
+    cpu = pytest.importorskip("bench.conversation_cpu")
+    got = cpu.measure("llama3_1", "tokens", 0, 8_000, renders=True)
+    assert got["turns"] > 0 and got["p50_ms"] > 0 and got["renders_per_turn"] > 0
+    assert {"render_2_us", "render_7_us", "render_13_us"} <= set(got)
+    root = str(Path(__file__).resolve().parents[1])
+    assert cpu.main(["--families", "llama3_1", "--modes", "text", "--lo", "0", "--hi", "6000", "--ab", root]) == 0
+    out = capsys.readouterr().out
+    assert "| llama3_1 text |" in out and "ab ÷ this" in out
