@@ -222,6 +222,10 @@ class _Groups:
         return np.where(s != _NONE, s, g)
 
 
+#: `Family._tables` by (id of the kind table, settings): (the table itself, the tables).
+_TABLES: dict[tuple, tuple[KindTable, tuple]] = {}
+
+
 @functools.lru_cache(maxsize=64)
 def _group_tables(kinds: KindTable, reads_k: bool, slash: bool) -> _Groups:
     groups = kinds.groups
@@ -267,8 +271,18 @@ class Family:
     def _tables(self) -> tuple[_Groups, np.ndarray]:
         if self.kinds is None:
             raise ValueError(f"family {self.name!r} was built without its kinds: use families.detect_family")
-        return (_group_tables(self.kinds, self.exclude_k_pairs, self.slash_after_newline),
-                _pair_table(self.kinds, self.stable_grid, self.extra_pairs))
+        # Keyed by the kind table's identity (checked), not its value: hashing a KindTable walks
+        # every kind, which cost more than a one-pair `stable` query itself.
+        key = (id(self.kinds), self.exclude_k_pairs, self.slash_after_newline, self.stable_grid, self.extra_pairs)
+        hit = _TABLES.get(key)
+        if hit is not None and hit[0] is self.kinds:
+            return hit[1]
+        tables = (_group_tables(self.kinds, self.exclude_k_pairs, self.slash_after_newline),
+                  _pair_table(self.kinds, self.stable_grid, self.extra_pairs))
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        _TABLES[key] = (self.kinds, tables)
+        return tables
 
     @property
     def label(self) -> str:
