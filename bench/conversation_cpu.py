@@ -4,7 +4,8 @@ to back, in thread CPU time: the figure to compare two builds with.
 
 For each family and mode it replays the rollout of `bench.conversation_replay.make_rollout` through
 `toktier.Conversation` (text mode: `append_messages`; tokens mode: `append_generated(...,
-then=...)` with drift tracking) and reports, over the turns whose prompt is in [--lo, --hi)
+then=...)` with drift tracking; tokens+split: the same with the replay's non-canonical samples, so
+the IDs drift from the re-render from the first turn on) and reports, over the turns whose prompt is in [--lo, --hi)
 characters, the P50 thread time per turn and the template renders per turn.  `--renders` also
 times one render of a window of 2, 7 and 13 messages (the system prompt and the last messages).
 
@@ -34,7 +35,7 @@ def measure(family: str, mode: str, lo: int, hi: int, renders: bool) -> dict:
     from bench.conversation_replay import Step, TokTierConv, make_rollout
 
     ro = make_rollout(family, hi, seed=0)
-    eng = TokTierConv(ro, track_drift=mode == "tokens")
+    eng = TokTierConv(ro, track_drift=mode != "text")
     messages = list(ro.start)
     eng.start(messages)
     count = [0]
@@ -48,7 +49,8 @@ def measure(family: str, mode: str, lo: int, hi: int, renders: bool) -> dict:
     times, turns = [], 0
     for t in ro.turns:
         messages = messages + [t.assistant, *t.results]
-        step = Step(t.assistant, t.sampled if mode != "text" else None, list(t.results), messages)
+        sampled = None if mode == "text" else t.split if mode == "tokens+split" and t.split is not None else t.sampled
+        step = Step(t.assistant, sampled, list(t.results), messages)
         t0 = time.thread_time()
         eng.turn(step)
         dt = time.thread_time() - t0

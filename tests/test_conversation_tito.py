@@ -541,6 +541,66 @@ def test_random_tito_sequences_long(name, ops, tally):
     _run_tito_ops(name, ops, tally)
 
 
+@pytest.mark.parametrize("name", sorted(BUNDLED) + ["glm_special", "minimax_text", "chatml_text"])
+def test_drift_reference_waits_after_the_drift_point(name, tally):
+    """Once the IDs drift (a non-canonical sample early on), later appends after the drift point
+    leave the drift reference's edit for later (`Conversation._defers`): every op's IDs and drift
+    still equal the definition and the independent re-render, through appends, generated turns,
+    a fork, an edit and a rollback before the drift point (which bring the reference up to date),
+    and the deferral must have happened."""
+    from toktier.tools.corpus import large_text
+
+    material = large_text(40_000)
+    m = Model(name)
+    pos = 0
+
+    def text(n: int) -> str:
+        nonlocal pos
+        pos += n
+        return material[pos - n:pos]
+
+    m.check(m.conv.append_messages([{"role": "user", "content": text(400)}]), tally)
+    words = text(300)
+    split = [i for ch in words for i in m.tok.encode(ch).tolist()] + m.sample("")  # one token a character
+    m.check(m.generate(split, then=[{"role": "tool", "content": text(900)}]), tally)
+    assert m.conv.drift is not None
+    waited = 0
+    for turn in range(6):
+        if turn % 2:
+            m.check(m.generate(m.sample(text(250)), then=[{"role": "tool", "content": text(1200)}]), tally)
+        else:
+            m.check(m.conv.append_messages([{"role": "user", "content": text(500)}]), tally)
+        waited += m.conv._shadow_lag is not None
+        if turn == 3:  # a fork carries the waiting reference; both go on exactly
+            other = Model(name)
+            other.conv, other.runs = m.conv.fork(), list(m.runs)
+            other.check(other.conv.append_messages([{"role": "user", "content": text(300)}]), tally)
+            other.check(other.generate(m.sample(text(200))), tally)
+    assert waited >= 3, waited
+    # An edit after the first run but before the waiting edits: the reference catches up first.
+    if m.conv._shadow_lag is None:
+        m.check(m.conv.append_messages([{"role": "user", "content": text(500)}]), tally)
+    assert m.conv._shadow_lag is not None
+    messages = list(m.conv.messages)
+    k = len(messages) - 1
+    messages[k] = {**messages[k], "content": messages[k]["content"] + " (edited)"}
+    r = m.conv.set_messages(messages)
+    m.keep_runs_before(k)
+    m.check(r, tally)
+    assert m.conv.generated and m.conv._shadow_lag is None
+    messages = list(m.conv.messages)
+    messages[0] = {**messages[0], "content": messages[0]["content"] + " (edited)"}  # before the drift point
+    r = m.conv.set_messages(messages)
+    m.keep_runs_before(0)  # message 0 changed: no run after it is kept
+    m.check(r, tally)
+    m.check(m.generate(split, then=[{"role": "tool", "content": text(800)}]), tally)
+    m.check(m.conv.append_messages([{"role": "user", "content": text(600)}]), tally)
+    r = m.conv.rollback(2)  # back before the sampled turn
+    m.keep_runs_before(2)
+    m.check(r, tally)
+    m.check(m.generate(m.sample(text(200)), then=[{"role": "tool", "content": text(700)}]), tally)
+
+
 def test_doctests():
     import doctest
 

@@ -70,6 +70,14 @@ when sampled IDs are not the canonical tokenization of their text, when the temp
 generated turn otherwise than the model wrote it (Qwen3 dropping its `<think>` block later), or
 when a stop token is stripped or replaced.
 
+Once the IDs have drifted at index d, appends after it cannot move the drift: the live IDs up to d
+stay, and so do the shadow's tokens up to d as long as its edits start past a stable boundary
+after token d (plus the longest literal: `Conversation._guard`, the repair's own certificate).
+Such an edit waits (its text is rendered and kept, not tokenized) and the waiting edits are applied
+as one before anything else reads or edits the shadow (an edit before that point, a rollback, a
+branch); `drift` is d meanwhile.  An RL rollout that sampled one non-canonical token early then
+pays for the shadow's renders only.
+
 Changing history
 ----------------
 `set_messages(new)`: d = the longest prefix the stored and the new list share under the matching
@@ -112,6 +120,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import chat, render_window
+from .boundaries import stable_char_positions
 from .buffers import GrowableU32
 from .chat import ChatTemplate
 from .errors import InvalidChatInput, InvalidConversationOp, InvalidTokenIds, JunctionUnavailable
@@ -294,6 +303,11 @@ class Conversation:
         self._shadow_text = _EMPTY
         self._shadow_end: int | None = 0
         self._equal_upto = 0  # ids[:k] == shadow ids[:k] is known
+        # Drift established at token d: (d, c) such that no shadow edit starting at character c or
+        # later can change the shadow's tokens up to d (`_guard`); while one holds, edits of the
+        # shadow after c are deferred and the session lags the rope from character `_shadow_lag`.
+        self._drift_guard: tuple[int, int] | None = None
+        self._shadow_lag: int | None = None
 
     # -- read access -------------------------------------------------------------------------
     @property
@@ -467,11 +481,13 @@ class Conversation:
             else:
                 res = self._tail.sync(str(prompt))
             new_tail = self._session(str(tail.text))
-            if shadow is not None:
+            deferred = shadow is not None and new_shadow is self._shadow and self._defers(shadow, base + res.first_changed)
+            if shadow is not None and not deferred:
                 assert new_shadow is not None
                 if new_shadow is self._shadow:
                     undo.append(("_shadow", self._shadow_text))
-                shadow_changed, shadow_repair = self._edit(new_shadow, self._shadow_text, shadow)
+                    self._catch_up()
+                shadow_changed, shadow_repair = self._shadow_edit(new_shadow, shadow)
         except BaseException:
             if self._shadow is None:
                 self._shadow_text = _EMPTY
@@ -498,9 +514,13 @@ class Conversation:
         self._tail, self._tail_text, self._tail_end = new_tail, tail.text, tail.end
         self._all.replace(self._all.n, self._all.n, self._tail.ids)
         if shadow is not None:
-            self._shadow, self._shadow_text, self._shadow_end = new_shadow, shadow.text, shadow.end
-            if shadow_repair is not RepairPath.NOOP:
-                self._equal_upto = min(self._equal_upto, shadow_changed)
+            if deferred:
+                self._defer(shadow)
+            else:
+                self._shadow = new_shadow
+                if shadow_repair is not RepairPath.NOOP:
+                    self._equal_upto = min(self._equal_upto, shadow_changed)
+            self._shadow_text, self._shadow_end = shadow.text, shadow.end
         return self._result(first, run.message_index, ConversationPath.GENERATED, res.path,
                             windowed=tail.windowed)
 
@@ -532,6 +552,7 @@ class Conversation:
         new._shadow = self._shadow.fork() if self._shadow is not None else None
         new._shadow_text, new._shadow_end = self._shadow_text, self._shadow_end
         new._equal_upto = self._equal_upto
+        new._drift_guard, new._shadow_lag = self._drift_guard, self._shadow_lag
         return new
 
     def state(self) -> ConversationState:
@@ -575,6 +596,7 @@ class Conversation:
             conv._shadow, conv._shadow_text = conv._session(text), Rope.of(text)
             conv._shadow_end = None if gp else len(text)
             conv._equal_upto = 0
+            conv._drift_guard = conv._shadow_lag = None
         return conv
 
     # -- internals -----------------------------------------------------------------------------
@@ -613,10 +635,14 @@ class Conversation:
                 session = self._tail
                 undo.append(("_tail", self._tail_text))
             changed, repair = self._edit(session, old_text, tail)
-            if shadow is not None:
+            # An append after the drift point: the drift reference may wait (`_defers`).
+            deferred = (shadow is not None and not dropped and added is not None
+                        and self._defers(shadow, self._tail_base() + changed))
+            if shadow is not None and not deferred:
                 assert self._shadow is not None
                 undo.append(("_shadow", self._shadow_text))
-                shadow_changed, shadow_repair = self._edit(self._shadow, self._shadow_text, shadow)
+                self._catch_up()
+                shadow_changed, shadow_repair = self._shadow_edit(self._shadow, shadow)
         except BaseException:
             self._undo(undo)
             raise
@@ -643,14 +669,17 @@ class Conversation:
             first = min(first, floor)
         if not keep:  # text-only again: the tail is the exact full render
             self._all, self._shadow, self._shadow_text, self._shadow_end = None, None, _EMPTY, 0
+            self._drift_guard = self._shadow_lag = None
         else:
             assert self._all is not None
             self._all.replace(base + changed, self._all.n, self._tail.ids[changed:])
             self._equal_upto = min(self._equal_upto, first)
             if shadow is not None:
-                self._shadow_text, self._shadow_end = shadow.text, shadow.end
-                if shadow_repair is not RepairPath.NOOP:
+                if deferred:
+                    self._defer(shadow)
+                elif shadow_repair is not RepairPath.NOOP:
                     self._equal_upto = min(self._equal_upto, shadow_changed)
+                self._shadow_text, self._shadow_end = shadow.text, shadow.end
         if rollback:
             path = ConversationPath.ROLLBACK
         elif branched_at is not None or dropped:
@@ -722,6 +751,8 @@ class Conversation:
         # (a text segment's IDs are the reference encoding of its text by definition).
         for attr, text in undo:
             setattr(self, attr, self._session(str(text)))
+            if attr == "_shadow":  # rebuilt from its text as it was: in step with it, no guard known
+                self._shadow_lag = self._drift_guard = None
 
     def _set_messages(self, messages: list[dict], marked: list[dict], d: int) -> None:
         """Store `messages` (the first `d` are the stored ones) and their marked twins and views."""
@@ -801,10 +832,76 @@ class Conversation:
     def _drift(self) -> int | None:
         if self._shadow is None or self._all is None:
             return None
+        if self._shadow_lag is not None:  # deferred edits: only while the guard of the drift point holds
+            assert self._drift_guard is not None
+            return self._drift_guard[0]
         a, b = self._all.view(), self._shadow.ids
         at = _first_mismatch(a, b, min(self._equal_upto, len(a), len(b)))
         self._equal_upto = min(len(a), len(b)) if at is None else at
+        if at is None or at >= min(len(a), len(b)):
+            self._drift_guard = None
+        elif self._drift_guard is None or self._drift_guard[0] != at:
+            self._drift_guard = self._guard(at)
         return at
+
+    # -- the drift reference after the drift point -------------------------------------------
+    def _guard(self, d: int) -> tuple[int, int] | None:
+        """(d, c): a character c of the drift reference such that an edit of it starting at c or
+        later leaves its tokens up to d as they are, or None.  c is past a stable boundary t after
+        token d (`boundaries.stable_char_positions`: a synchronizing boundary no literal spans)
+        by the longest literal: the characters at t stay, so does every literal occurrence near
+        it, and the tokens before t (d among them) are those of any text that starts the same
+        up to c.  The shadow is in step with its text here."""
+        shadow = self._shadow
+        assert shadow is not None and self._shadow_lag is None
+        end = shadow._raw_start(d + 1)  # byte where token d ends
+        if end is None:
+            return None
+        raw = shadow._text
+        at = end if shadow._ascii else len(bytes(raw[:end]).decode("utf-8", "replace"))  # (once per drift point)
+        span = max(self.tokenizer.literals.max_len if self.tokenizer.literals else 0, 1)
+        window = self._shadow_text.slice(at, min(len(self._shadow_text), at + 2 * span + 512))
+        for q in stable_char_positions(self.tokenizer, window).tolist():
+            if span <= q and q + span <= len(window):
+                return d, at + q + span
+        return None
+
+    def _defers(self, shadow: _Text, first_live: int) -> bool:
+        """Whether this op's edit of the drift reference may wait: a drift point d is guarded, the
+        live IDs change only after it, and the reference's edit starts at the guard or later (its
+        tokens up to d stay: the drift is still d)."""
+        guard = self._drift_guard
+        return (guard is not None and shadow.edit is not None and first_live > guard[0]
+                and shadow.edit[0] >= guard[1] and (self._shadow_lag is not None or self._drift_current(guard[0])))
+
+    def _drift_current(self, d: int) -> bool:
+        # The guard is of the drift the last op reported: the first mismatch is still d.
+        return self._equal_upto == d
+
+    def _defer(self, shadow: _Text) -> None:
+        assert shadow.edit is not None
+        start = shadow.edit[0]
+        self._shadow_lag = start if self._shadow_lag is None else min(self._shadow_lag, start)
+
+    def _catch_up(self) -> None:
+        """Apply the deferred edits of the drift reference (one edit from the earliest)."""
+        lag = self._shadow_lag
+        if lag is None:
+            return
+        shadow = self._shadow
+        assert shadow is not None
+        res = shadow.edit(lag, shadow.num_chars, self._shadow_text.slice(lag, len(self._shadow_text)))
+        self._shadow_lag = None
+        if res.path is not RepairPath.NOOP:
+            self._equal_upto = min(self._equal_upto, res.first_changed)
+
+    def _shadow_edit(self, session: Session, new: _Text) -> tuple[int, RepairPath]:
+        """`_edit` of the drift reference (in step with `_shadow_text`); a guard the edit may
+        reach is dropped."""
+        guard = self._drift_guard
+        if guard is not None and (new.edit is None or new.edit[0] < guard[1]):
+            self._drift_guard = None
+        return self._edit(session, self._shadow_text, new)
 
 
 _EMPTY = Rope.of("")
