@@ -601,6 +601,34 @@ def test_drift_reference_waits_after_the_drift_point(name, tally):
     m.check(m.generate(m.sample(text(200)), then=[{"role": "tool", "content": text(700)}]), tally)
 
 
+_MATERIAL: list[str] = []
+
+
+def _material() -> str:
+    if not _MATERIAL:
+        from toktier.tools.corpus import large_text
+
+        _MATERIAL.append(large_text(60_000))
+    return _MATERIAL[0]
+
+
+_LONG_OP = st.tuples(st.sampled_from(["user", "tool", "gen", "gen_then", "gen_then", "gen_split", "edit", "rollback",
+                                      "fork"]),
+                     st.integers(0, 1 << 16), st.integers(0, 59_000), st.integers(0, 900))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1", "deepseek_v3", "glm_special"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(ops=st.lists(_LONG_OP, min_size=4, max_size=12))
+def test_random_tito_sequences_with_long_turns(name, ops, tally):
+    """The random sequences with real text of up to 900 characters a message, long enough that
+    edits of the drift reference past the drift point wait (`Conversation._defers`) and catch up
+    under random rollbacks, edits and forks: every op checked as in `test_random_tito_sequences`."""
+    text = _material()
+    _run_tito_ops(name, [(kind, at, text[a:a + n]) for kind, at, a, n in ops], tally)
+
+
 def test_doctests():
     import doctest
 
