@@ -601,6 +601,24 @@ def test_drift_reference_waits_after_the_drift_point(name, tally):
     m.check(m.generate(m.sample(text(200)), then=[{"role": "tool", "content": text(700)}]), tally)
 
 
+def test_drift_reference_does_not_wait_where_an_append_can_move_the_drift():
+    """A drift point with no stable boundary after it: the run "  " pinned as two " " tokens
+    (the re-render has one "  " token: drift 1); appending "y" re-tokenizes the re-render as
+    [" ", " y"], so the drift moves to 2.  A guard at token 1's own end (no boundary, no literal
+    margin) would let that edit wait and keep reporting 1; the real guard finds no boundary and
+    the reference is edited at once."""
+    tok = get_tokenizer("llama3")
+    template = chat.ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    conv = Conversation(tok, template, add_generation_prompt=False)
+    conv.append_messages([{"role": "user", "content": "x"}])
+    space = tok.encode(" ").tolist()
+    r = conv.append_generated(space + space, message={"role": "assistant", "content": "  "})
+    assert r.drift == independent_drift(tok, template, conv) == 1
+    r = conv.append_messages([{"role": "user", "content": "y"}])
+    assert r.drift == independent_drift(tok, template, conv) == 2
+    assert conv._shadow_lag is None
+
+
 _MATERIAL: list[str] = []
 
 

@@ -871,12 +871,9 @@ class Conversation:
         live IDs change only after it, and the reference's edit starts at the guard or later (its
         tokens up to d stay: the drift is still d)."""
         guard = self._drift_guard
+        # (in step: the guard is of the drift the last op reported, `_equal_upto` = d)
         return (guard is not None and shadow.edit is not None and first_live > guard[0]
-                and shadow.edit[0] >= guard[1] and (self._shadow_lag is not None or self._drift_current(guard[0])))
-
-    def _drift_current(self, d: int) -> bool:
-        # The guard is of the drift the last op reported: the first mismatch is still d.
-        return self._equal_upto == d
+                and shadow.edit[0] >= guard[1] and (self._shadow_lag is not None or self._equal_upto == guard[0]))
 
     def _defer(self, shadow: _Text) -> None:
         assert shadow.edit is not None
