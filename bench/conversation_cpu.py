@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         family, mode = args.one.split("/")
         print(json.dumps(measure(family, mode, args.lo, args.hi, args.renders)))
         return 0
+    if args.ab and not (Path(args.ab) / "toktier" / "__init__.py").is_file():
+        raise SystemExit(f"--ab {args.ab}: not a TokTier checkout (no toktier/__init__.py there); make one with "
+                         f"`git worktree add DIR COMMIT` and copy in or build its native module")
     trees = [("this", ROOT)] + ([("ab", Path(args.ab).resolve())] if args.ab else [])
     rows: dict[tuple[str, str, str], list[dict]] = {}
     for _ in range(args.rounds):
