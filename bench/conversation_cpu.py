@@ -6,7 +6,8 @@ For each family and mode it replays the rollout of `bench.conversation_replay.ma
 `toktier.Conversation` (text mode: `append_messages`; tokens mode: `append_generated(...,
 then=...)` with drift tracking; tokens+split: the same with the replay's non-canonical samples, so
 the IDs drift from the re-render from the first turn on) and reports, over the turns whose prompt is in [--lo, --hi)
-characters, the P50 thread time per turn and the template renders per turn.  `--renders` also
+characters, the P50 thread time per turn and the template renders per turn (one render giving the
+text both with and without the generation prompt counts once).  `--renders` also
 times one render of a window of 2, 7 and 13 messages (the system prompt and the last messages).
 
 ``--ab DIR`` runs the same in a subprocess against the `toktier` package of another checkout (a
@@ -46,6 +47,15 @@ def measure(family: str, mode: str, lo: int, hi: int, renders: bool) -> dict:
         return plain(ms, gp)
 
     eng.conv._render = counted
+    memo = getattr(eng.conv, "_memo", None)
+    both = getattr(memo, "_both", None)
+    if both is not None:  # one render that gives the text with and without the generation prompt
+        def counted_both(ms: list) -> tuple[str, str] | None:
+            pair = both(ms)
+            count[0] += pair is not None
+            return pair
+
+        memo._both = counted_both
     times, turns = [], 0
     for t in ro.turns:
         messages = messages + [t.assistant, *t.results]

@@ -356,6 +356,89 @@ def test_memoized_attribute_reads_answer_as_jinja2(source):
         assert ours.bind()(chat.prepare_messages(messages), False) == want
 
 
+# ------------------------------------------------------- both renders from one (`BoundTemplate.both`)
+
+#: (source, whether the generation prompt provably ends the render): the last top-level node is an
+#: ``if`` on the flag (alone, or the leftmost ``and`` operand) with no elif/else, and the flag is
+#: read nowhere else but in ``is not defined`` guards.
+PROMPT_LAST = {
+    "plain": ("{% for m in messages %}{{ m.content }};{% endfor %}{% if add_generation_prompt %}>>{% endif %}",
+              True),
+    "and_state": ("{% set ns = namespace(tool=false) %}{% for m in messages %}{{ m.content }}"
+                  "{% set ns.tool = m.role == 'tool' %}{% endfor %}"
+                  "{% if add_generation_prompt and not ns.tool %}<A>{% endif %}", True),
+    "guarded": ("{% if add_generation_prompt is not defined %}{% set add_generation_prompt = false %}{% endif %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<A>{% endif %}",
+                True),
+    "nested_and": ("{{ messages | length }}{% if add_generation_prompt and messages and true %}<A>{% endif %}", True),
+    "read_in_loop": ("{% for m in messages %}{{ m.content }}{% if not add_generation_prompt %}.{% endif %}"
+                     "{% endfor %}{% if add_generation_prompt %}<A>{% endif %}", False),
+    "printed": ("{{ add_generation_prompt }}{% if add_generation_prompt %}<A>{% endif %}", False),
+    "else": ("{{ messages[0].content }}{% if add_generation_prompt %}<A>{% else %}<B>{% endif %}", False),
+    "elif": ("{{ messages[0].content }}{% if add_generation_prompt %}<A>{% elif true %}<B>{% endif %}", False),
+    "output_after": ("{% if add_generation_prompt %}<A>{% endif %}{{ messages[0].content }}", False),
+    "negated": ("{{ messages[0].content }}{% if not add_generation_prompt %}<B>{% endif %}", False),
+    "is_true": ("{{ messages[0].content }}{% if add_generation_prompt is true %}<A>{% endif %}", False),
+    "or": ("{{ messages[0].content }}{% if add_generation_prompt or messages %}<A>{% endif %}", False),
+    "right_of_and": ("{{ messages[0].content }}{% if messages and add_generation_prompt %}<A>{% endif %}", False),
+    "reassigned": ("{% set add_generation_prompt = true %}{{ messages[0].content }}"
+                   "{% if add_generation_prompt %}<A>{% endif %}", False),
+    "in_a_loop": ("{% for m in messages %}{{ m.content }}{% if loop.last and add_generation_prompt %}<A>{% endif %}"
+                  "{% endfor %}", False),
+    "no_prompt": ("{% for m in messages %}{{ m.content }}{% endfor %}", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROMPT_LAST))
+def test_both_renders_from_one_where_the_prompt_provably_ends_it(name):
+    """`both` gives (render with the prompt, render without) from one render exactly where the
+    source proves the prompt a suffix, else None; crafted templates on both sides of each rule."""
+    source, proven = PROMPT_LAST[name]
+    template = chat.ChatTemplate(source)
+    assert template._prompt_last is proven
+    bound = template.bind()
+    lists = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hi"}, {"role": "tool", "content": "t"}],
+             [{"role": "system", "content": "s"}, {"role": "assistant", "content": "<A>"}]]
+    for messages in lists:
+        prepared = chat.prepare_messages(messages)
+        pair = bound.both(prepared)
+        if not proven:
+            assert pair is None
+            continue
+        assert pair == (bound(prepared, True), bound(prepared, False)), messages
+    with pytest.raises(InvalidChatInput):
+        bound.both([])
+
+
+@pytest.mark.parametrize("name", ["read_in_loop", "no_prompt"])
+def test_both_refuses_a_render_that_tests_the_flag_other_than_once(name):
+    """The run-time check behind the static one: forced past it, a template testing the flag
+    several times (or never) gets None, not a cut at a wrong place."""
+    template = chat.ChatTemplate(PROMPT_LAST[name][0])
+    object.__setattr__(template, "_prompt_last", True)
+    prepared = chat.prepare_messages([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert template.bind().both(prepared) is None
+
+
+def test_both_renders_from_one_on_the_bundled_templates(pair):
+    """Every registered template proves its prompt a suffix (the windowed appends rely on it for
+    speed only), and `both` equals the two renders on real and generated conversations."""
+    ours, _ = pair
+    assert ours._prompt_last, ours.name
+    for tools in (None, [WEATHER, SEARCH]):
+        for kwargs in ({}, {"enable_thinking": False}):
+            bound = ours.bind(tools=tools, **kwargs)
+            for messages in CONVERSATIONS.values():
+                prepared = chat.prepare_messages(messages)
+                try:
+                    want = (bound(prepared, True), bound(prepared, False))
+                except ChatTemplateError:
+                    with pytest.raises(ChatTemplateError):
+                        bound.both(prepared)
+                    continue
+                assert bound.both(prepared) == want, messages
+
+
 def test_message_objects_and_none_keys():
     from dataclasses import dataclass
 

@@ -124,6 +124,7 @@ class ChatTemplate:
     origin: str = "given by the caller"
     _compiled: Any = field(init=False, repr=False, compare=False)
     _globals: Any = field(init=False, repr=False, compare=False)
+    _prompt_last: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str):
@@ -136,6 +137,7 @@ class ChatTemplate:
         # The template's globals as one plain dict, built once: jinja2's `render` flattens its
         # ChainMap of globals into a new dict on every call (a fifth of a small window's render).
         object.__setattr__(self, "_globals", dict(self._compiled.globals))
+        object.__setattr__(self, "_prompt_last", _prompt_is_last(self._compiled.environment, self.source))
 
     @classmethod
     def from_tokenizer_config(cls, config: Mapping[str, Any] | str | Path, *, name: str = "custom",
@@ -245,6 +247,90 @@ class ChatTemplate:
             text = _cut_at_tag(text, continued)
         return text
 
+    def _render_both(self, chat: list[dict], tools: list[Any] | None, documents: list[Any] | None,
+                     variables: dict[str, Any]) -> tuple[str, str] | None:
+        """``(render with the generation prompt, render without it)`` of prepared messages from one
+        render, or None where that is not proven for this template (then render twice).
+
+        Where `_prompt_is_last` holds, the prompt is the output of the template's last top-level
+        ``{% if add_generation_prompt ... %}`` and nothing before it reads the flag, so the render
+        without the prompt is the output produced before that test.  The flag passed is true and
+        counts the output pieces when it is tested; a render that tests it other than once is
+        not used."""
+        if not self._prompt_last:
+            return None
+        chat = _alias_reasoning(chat)
+        pieces: list[str] = []
+        flag = _PromptFlag(pieces)
+        try:
+            compiled = self._compiled
+            context = compiled.environment.context_class(
+                compiled.environment, {**self._globals, "messages": chat, "tools": tools, "documents": documents,
+                                       "add_generation_prompt": flag, **variables},
+                compiled.name, compiled.blocks)
+            for piece in compiled.root_render_func(context):
+                pieces.append(piece)
+        except Exception as exc:  # as `_render_ready` reports it
+            raise ChatTemplateError(f"chat template {self.name!r} failed: {type(exc).__name__}: {exc}") from exc
+        if flag.tests != 1:
+            return None
+        return "".join(pieces), "".join(pieces[: flag.at])
+
+
+class _PromptFlag:
+    """`add_generation_prompt` for `ChatTemplate._render_both`: true, and its truth test records
+    how many output pieces came before it."""
+
+    __slots__ = ("_pieces", "at", "tests")
+
+    def __init__(self, pieces: list[str]) -> None:
+        self._pieces, self.at, self.tests = pieces, 0, 0
+
+    def __bool__(self) -> bool:
+        self.tests += 1
+        self.at = len(self._pieces)
+        return True
+
+
+def _prompt_is_last(env: Any, source: str) -> bool:
+    """Whether `source` renders the generation prompt as a pure suffix that one render can locate:
+    its last top-level node is an ``{% if %}`` (no elif/else) whose test is the name
+    ``add_generation_prompt`` or an ``and`` whose leftmost operand it is (so it is tested first,
+    once), and the name is read nowhere else, except in top-level guards
+    ``{% if add_generation_prompt is not defined %}...{% endif %}`` (dead code once it is passed,
+    as it always is here).  Then the render without the prompt is exactly the output produced
+    before that test, and nothing after it outputs anything."""
+    import jinja2.nodes as nodes
+
+    name = "add_generation_prompt"
+    try:
+        ast = env.parse(source)
+    except Exception:  # compiled already; a parse failure here only means "not proven"
+        return False
+    if not ast.body or not isinstance(ast.body[-1], nodes.If):
+        return False
+    last = ast.body[-1]
+    if last.elif_ or last.else_:
+        return False
+    first = last.test
+    while isinstance(first, nodes.And):
+        first = first.left
+    if not (isinstance(first, nodes.Name) and first.name == name):
+        return False
+
+    def guard(node: Any) -> bool:
+        test = node.test if isinstance(node, nodes.If) else None
+        return (isinstance(test, nodes.Not) and isinstance(test.node, nodes.Test) and test.node.name == "defined"
+                and not test.node.args and not test.node.kwargs and isinstance(test.node.node, nodes.Name)
+                and test.node.node.name == name and not node.elif_ and not node.else_)
+
+    reads = 0
+    for node in ast.body:
+        if guard(node):
+            continue
+        reads += sum(1 for n in node.find_all(nodes.Name) if n.name == name)
+    return reads == 1
+
 
 class BoundTemplate:
     """A `ChatTemplate` with its render arguments (tools, documents, keywords) prepared once
@@ -282,6 +368,19 @@ class BoundTemplate:
         try:
             return self.template._render_ready(messages, add_generation_prompt, False, self._tools, self._documents,
                                                self._variables)
+        finally:
+            _JSON_MEMO.reset(token)
+
+    def both(self, messages: list[dict]) -> tuple[str, str] | None:
+        """``(self(messages, True), self(messages, False))`` from one render where the template
+        provably allows it (`ChatTemplate._render_both`), else None."""
+        if not messages:
+            raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
+        if not self.template._prompt_last:
+            return None
+        token = _JSON_MEMO.set(self._json)
+        try:
+            return self.template._render_both(messages, self._tools, self._documents, self._variables)
         finally:
             _JSON_MEMO.reset(token)
 

@@ -270,7 +270,7 @@ class Conversation:
         self._fast_path = True
         self._junction: Junction | None = None
         self._locality: Locality | None = None
-        self._memo = render_window.Memo()
+        self._memo = render_window.Memo(both=self._render_both)
         self._scheme = 0  # the head scheme of the last windowed append (`render_window.window`)
         # The messages as rendered (plain dicts, never mutated), the same with every pinned run's
         # message replaced by its marker (what the text segments are cut from), and read-only views
@@ -533,7 +533,8 @@ class Conversation:
         new.track_drift, new.incremental = self.track_drift, self.incremental
         new.render_stats = RenderStats()
         new._stop_texts, new._full_path, new._junction = self._stop_texts, self._full_path, self._junction
-        new._fast_path, new._locality, new._memo = self._fast_path, self._locality, render_window.Memo()
+        new._fast_path, new._locality = self._fast_path, self._locality
+        new._memo = render_window.Memo(both=new._render_both)
         new._scheme = self._scheme
         # Stored dicts and views are never mutated in place: the lists are copied, not the messages.
         new._messages, new._marked, new._views = list(self._messages), list(self._marked), list(self._views)
@@ -788,6 +789,11 @@ class Conversation:
         if not messages:
             return ""
         return self._bound(messages, add_generation_prompt)
+
+    def _render_both(self, messages: list[dict]) -> tuple[str, str] | None:
+        """`_render(messages, True)` and `_render(messages, False)` from one render, when the template
+        proves that possible (`chat.BoundTemplate.both`), else None."""
+        return self._bound.both(messages) if messages else None
 
     def _tail_of(self, marked: list[dict], runs: list[GeneratedRun], add_generation_prompt: bool) -> str:
         """The text after the last run (the whole render without runs), per the TITO definition;

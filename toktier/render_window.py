@@ -185,22 +185,35 @@ def _latest_per_role(old: Sequence[dict], c: int, roles: Mapping[str, Sequence[i
 
 class Memo:
     """The last few renders, keyed by the identity of the messages (stored messages are never
-    changed) and the generation-prompt flag.  One per conversation; not thread-safe."""
+    changed) and the generation-prompt flag.  One per conversation; not thread-safe.
 
-    def __init__(self, size: int = 12) -> None:
+    `both(messages)`: the renders with and without the generation prompt from one render, or
+    None (`chat.BoundTemplate.both`); a render with the prompt then keeps the one without it
+    too, which an append asks for next."""
+
+    def __init__(self, size: int = 12, both: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> None:
         self.size = size
+        self._both = both
         self._entries: dict[tuple[tuple[int, ...], bool], tuple[list[dict], str]] = {}
 
     def render(self, render: Render, messages: list[dict], gp: bool) -> str:
-        key = (tuple(map(id, messages)), gp)
-        hit = self._entries.get(key)
+        ids = tuple(map(id, messages))
+        hit = self._entries.get((ids, gp))
         if hit is not None and all(a is b for a, b in zip(hit[0], messages)):
             return hit[1]
-        text = render(messages, gp)
-        if len(self._entries) >= self.size:
+        pair = self._both(messages) if gp and self._both is not None else None
+        if pair is None:
+            text = render(messages, gp)
+        else:
+            text = pair[0]
+            self._keep((ids, False), messages, pair[1])
+        self._keep((ids, gp), messages, text)
+        return text
+
+    def _keep(self, key: tuple[tuple[int, ...], bool], messages: list[dict], text: str) -> None:
+        if key not in self._entries and len(self._entries) >= self.size:
             del self._entries[next(iter(self._entries))]
         self._entries[key] = (messages, text)
-        return text
 
 
 def _wraps_tool_response(content: Any) -> bool:
