@@ -333,6 +333,15 @@ MEMO_READS = [
     "{{ messages[0].content.__class__ }}",
     "{{ messages.pop() }}",
     "{{ messages[0].items() | list | length }}{{ messages[0].get('role') }}{{ (1).real }}{{ 2.5.is_integer() }}",
+    # namespaces (read and written through their dict where jinja2 lays them out that way)
+    "{% set ns = namespace({'k': 1}, j=2) %}{% for m in messages %}{% set ns.k = ns.k + loop.index %}"
+    "{% set ns.last = m.role %}{% endfor %}{{ ns.k }}{{ ns.j }}{{ ns.last }}{{ ns.missing }}|{{ ns }}",
+    "{% set ns = namespace(f='{0}'.format, g='{x}'.format_map, s='a') %}{{ ns.f(messages) }}{{ ns.g({'x': 1}) }}"
+    "{% set ns.h = ns.s.upper %}{{ ns.h() }}",
+    "{% set ns = namespace(a=1) %}{{ ns.__class__ }}|{{ ns._Namespace__attrs }}|{{ ns.__init__ }}|{{ ns['a'] }}",
+    "{% set ns = namespace() %}{% set ns.items = 1 %}{% set ns.get = 2 %}{{ ns.items }}{{ ns.get }}{{ ns.nope is defined }}",
+    "{% set a = namespace(x=1) %}{{ a.x }}{% set b = namespace(y=2) %}{{ b.x is defined }}{{ b.x }}{{ a.y is defined }}",
+    "{% set ns = namespace(f='{0.__class__}'.format) %}{{ ns.f(messages) }}",
 ]
 
 

@@ -441,18 +441,30 @@ def _compile(source: str, name: str) -> Any:
         def _body(self, caller: Any) -> str:
             return caller()
 
+    direct = _namespace_dict_readable(jinja2)
+
     class SafeNamespace(jinja2.utils.Namespace):
-        # Underscore attributes would reach CPython internals from an untrusted template.
+        # Underscore attributes would reach CPython internals from an untrusted template.  Where
+        # jinja2's Namespace keeps its attributes in one dict (`_namespace_dict_readable`), that
+        # dict is read and written directly: the same state, without Namespace's Python-level
+        # __getattribute__ on every access (templates set namespace fields once per message).
         def __init__(*args: Any, **kwargs: Any) -> None:
             self, args = args[0], args[1:]
             attrs = dict(*args, **kwargs)
             for key in attrs:
                 SafeNamespace._check(key)
-            jinja2.utils.Namespace.__init__(self, attrs)
+            if direct:
+                object.__setattr__(self, _NAMESPACE_DICT, attrs)
+            else:
+                jinja2.utils.Namespace.__init__(self, attrs)
 
         def __setitem__(self, key: str, value: Any) -> None:
-            SafeNamespace._check(key)
-            jinja2.utils.Namespace.__setitem__(self, key, value)
+            if isinstance(key, str) and key.startswith("_"):
+                SafeNamespace._check(key)
+            if direct:
+                object.__getattribute__(self, _NAMESPACE_DICT)[key] = value
+            else:
+                jinja2.utils.Namespace.__setitem__(self, key, value)
 
         @staticmethod
         def _check(key: Any) -> None:
@@ -497,12 +509,36 @@ def _compile(source: str, name: str) -> Any:
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.cached_types = env.cached_types | {SafeNamespace}  # its attribute safety depends on the name alone
+    if direct:
+        env.namespace_type = SafeNamespace
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=DictConstructor(),
                        namespace=SafeNamespace)
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateError as exc:
         raise ChatTemplateError(f"chat template {name!r} does not compile: {type(exc).__name__}: {exc}") from exc
+
+
+#: Where jinja2's `Namespace` keeps its attributes (a dict under its name-mangled attribute).
+_NAMESPACE_DICT = "_Namespace__attrs"
+
+
+def _namespace_dict_readable(jinja2: types.ModuleType) -> bool:
+    """Whether this jinja2's `Namespace` keeps its attributes in one dict under `_NAMESPACE_DICT`,
+    read by its attribute access and written by its item assignment (checked on an instance, so
+    a jinja2 release that lays it out otherwise takes Namespace's own methods)."""
+    import jinja2.utils
+
+    ns = jinja2.utils.Namespace(x=1)
+    try:
+        attrs = object.__getattribute__(ns, _NAMESPACE_DICT)
+    except AttributeError:
+        return False
+    if type(attrs) is not dict or attrs != {"x": 1}:
+        return False
+    ns["y"] = 2
+    attrs["z"] = 3
+    return attrs == {"x": 1, "y": 2, "z": 3} and getattr(ns, "y", None) == 2 and getattr(ns, "z", None) == 3
 
 
 #: Types whose attribute safety is a function of (type, attribute name) alone: exact builtins,
@@ -541,6 +577,7 @@ def _environment_class(jinja2: types.ModuleType) -> Any:
             super().__init__(*args, **kwargs)
             self._safe: dict[tuple[type, str], bool] = {}
             self.cached_types = _PLAIN_TYPES | {jinja2.runtime.LoopContext}
+            self.namespace_type: type | None = None  # the template's namespace class, read directly
 
         def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
             kind = type(obj)
@@ -565,8 +602,11 @@ def _environment_class(jinja2: types.ModuleType) -> Any:
             # the name it is reached by) takes jinja2's path, which wraps it in its sandboxed formatter.
             if kind in self.cached_types and self._safe.get((kind, attribute)) is True:
                 try:
-                    value = getattr(obj, attribute)
-                except AttributeError:
+                    if kind is self.namespace_type:  # what Namespace.__getattribute__ returns for it
+                        value = object.__getattribute__(obj, _NAMESPACE_DICT)[attribute]
+                    else:
+                        value = getattr(obj, attribute)
+                except (AttributeError, KeyError):
                     return super().getattr(obj, attribute)
                 if type(value) in _METHOD_TYPES and value.__name__ in ("format", "format_map"):
                     return super().getattr(obj, attribute)
