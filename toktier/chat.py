@@ -628,6 +628,8 @@ def prepare_messages(messages: Messages) -> list[dict]:
 
 def _to_dicts(value: Any) -> Any:
     # Message objects (dataclasses, pydantic models such as the OpenAI SDK's) become dicts.
+    if value is None or type(value) in _LEAF_TYPES:  # (most values: no dataclass or model_dump probe)
+        return value
     if isinstance(value, Mapping):
         return {k: _to_dicts(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -666,10 +668,14 @@ def _mappings(items: Sequence[Mapping[str, Any]] | None, what: str) -> list[Any]
             raise InvalidChatInput(f"{what}; got {type(item).__name__}")
     return _plain(list(items))
 
+#: Exact types `_to_dicts` and `_plain` return as they are.
+_LEAF_TYPES = frozenset({str, int, float, bool})
+
+
 def _plain(value: Any) -> Any:
     # Everything the sandboxed template sees is rebuilt from plain JSON types: subclasses and
     # rich objects carry methods the sandbox does not know to be unsafe.
-    if value is None or type(value) in (str, int, float, bool):
+    if value is None or type(value) in _LEAF_TYPES:
         return value
     if isinstance(value, str):
         return str.__str__(value)
