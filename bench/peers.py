@@ -13,9 +13,11 @@ call, so the ratios are same-run ratios even on a noisy machine):
 
 Each (size, workload) starts fresh: every engine first sees the context untimed (our session is
 built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
-session), then the appends.  The engines' order rotates call by call (TokTier first on call 0,
-the next engine first on call 1, ...), so the one timed right after another engine's call
-(whose worker threads may still be spinning, and which flushed the caches) is not always the same.
+session), then the appends.  The engines run in a seeded random order on every call, so the
+one timed right after another engine's call (whose worker threads may still be spinning, and
+which flushed the caches) is not always the same.  (Until 1 December 2026 the order rotated call
+by call.  A rotation keeps the cyclic order: TokTier always ran right after the peer process's
+call, whose whole-text API encode sweeps the caches, and fastokens always right after TokTier.)
 ``--settle-ms N`` sleeps N ms before each timed call; it is off by default because it hurts short
 calls: measured 2026-11-30, a 5 ms sleep made TokTier's 256-character appends at 100K 0.066 ->
 0.15 ms (a core that slept wakes with cold caches), while toktier 0.3.0's worker process, when
@@ -60,6 +62,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -230,16 +233,17 @@ def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_ap
     steps = [step_toktier, *(step_stateless(k, e) for k, e in encs.items())]
     if peer is not None:
         steps.append(step_peer)
+    rng = random.Random(f"{name}-{size}-{workload}")
     for i, d in enumerate(ds):
         text = text + d
         check = i % 8 == 0
         want = {}
-        # Rotate the order call by call: whatever runs right after another engine's call (a peer
+        # A seeded random order per call: whatever runs right after another engine's call (a peer
         # process's worker threads still spinning, caches just flushed) hits every engine alike.
-        for k in range(len(steps)):
+        for step in rng.sample(steps, len(steps)):
             if settle:
                 time.sleep(settle)  # let the previous engine's worker threads go idle (see the docstring)
-            steps[(i + k) % len(steps)](i, d, text, check, want)
+            step(i, d, text, check, want)
         if check:
             t0 = time.perf_counter()
             rids = ref(text)
