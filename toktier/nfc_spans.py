@@ -83,6 +83,10 @@ def nfc_spans(tok: "FrozenTokenizer", text: bytes) -> tuple[list[Span], bytes] |
     return out, b"".join(parts)
 
 
+_NO_SPANS = np.zeros(0, dtype=np.int64)
+_NO_SPANS.flags.writeable = False  # shared by every empty SpanMap
+
+
 class SpanMap:
     """Raw <-> normalized byte positions of a text whose NFC-changed spans are `spans`.
 
@@ -101,6 +105,10 @@ class SpanMap:
 
     def __init__(self, spans: list[Span]) -> None:
         self.spans = spans
+        if not spans:
+            # every session starts with no span (and most keep none): no array work for it
+            self._raw_a = self._raw_b = self._norm_a = self._norm_b = self._cum = _NO_SPANS
+            return
         arr = np.array(spans, dtype=np.int64).reshape(-1, 3)
         self._raw_a, self._raw_b, d = arr[:, 0], arr[:, 1], arr[:, 2]
         self._cum = np.cumsum(d)  # total delta of spans 0..i
