@@ -184,7 +184,7 @@ def _latest_per_role(old: Sequence[dict], c: int, roles: Mapping[str, Sequence[i
 
 
 class Memo:
-    """The last few renders, keyed by the identity of the messages (stored messages are never
+    """The last few renders used, keyed by the identity of the messages (stored messages are never
     changed) and the generation-prompt flag.  One per conversation; not thread-safe.
 
     `both(messages)`: the renders with and without the generation prompt from one render, or
@@ -198,8 +198,11 @@ class Memo:
 
     def render(self, render: Render, messages: list[dict], gp: bool) -> str:
         ids = tuple(map(id, messages))
-        hit = self._entries.get((ids, gp))
+        key = (ids, gp)
+        hit = self._entries.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], messages)):
+            # least recently used first out: a head rendered every op (the system prompt) stays
+            self._entries[key] = self._entries.pop(key)
             return hit[1]
         pair = self._both(messages) if gp and self._both is not None else None
         if pair is None:
