@@ -48,7 +48,9 @@ llama3, tiktoken for o200k_base); a mismatch is printed and counted, never hidde
 is the faster of fastokens/gigatoken's P50 divided by ours (> 1: we are faster).
 
 Session starts (``--starts``, default 1M and 4M): ``Session(tok, context)`` (our full path: parallel
-chunks on this machine's cores), ``toktier.fullpath.encode_full`` alone, fastokens' first
+chunks on this machine's cores, laid out in the session's buffers by the chunk threads), the same
+start through ``Session._full`` (the general path, which every start took before 1 December 2026:
+the A/B of that change), ``toktier.fullpath.encode_full`` alone, fastokens' first
 ``encode_batch_flat`` on a fresh object (construction untimed, cache empty), gigatoken's first
 ``encode`` on a fresh object, and the peer's first ``encode(text, session=...)``/core ``put``.
 
@@ -257,68 +259,78 @@ def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_ap
         {k: len(v) for k, v in times.items()}, paths, bad
 
 
-def session_starts(tok, size, stateless, peer, reps=3, extra=None):
+def session_starts(tok, size, stateless, peer, reps=3, extra=None, seed=0):
     """Median of ``reps`` session starts, each on a *different* context text (seeds 11, 12, ...), so
     no whole-input cache can answer.  Stateless peers use one warm object (built and used on an
     unrelated text before, construction untimed), as a server would; a new session's text is new
     to it.  The peer's rows are timed inside its process.  ``extra`` ({label: fn(text) -> ids})
-    adds rows timed the same way (bench/gpu_session_start.py adds the GPU path)."""
+    adds rows timed the same way (bench/gpu_session_start.py adds the GPU path).  Per text, every
+    engine runs once, in a seeded random order (so no row always follows the same other one, or
+    always runs first after the reference encode that checks them)."""
     ctxs = [HDR.format(role="user") + large_text(size, seed=11 + j, kind="code") + EOT for j in range(reps)]
     refs = [tok.encode(c) for c in ctxs]
     warm_text = large_text(50_000, seed=99, kind="english")
-    out: dict[str, float] = {}
-    exact: dict[str, bool] = {}
 
-    def run(label, fn):
-        ts, ok = [], True
-        for c, r in zip(ctxs, refs):
-            t0 = time.perf_counter()
-            ids = fn(c)
-            ts.append(time.perf_counter() - t0)
-            ok &= ids is not None and bool(np.array_equal(np.asarray(ids), r))
-        out[label], exact[label] = p50(ts), ok
+    def general(c):
+        # the path every start took before the staged one (`Session._full`: the str's UTF-8 copy,
+        # the chunks' ids concatenated, both copied again, the checkpoints walked), for the A/B
+        s = Session(tok, "")
+        s._full(c.encode("utf-8"), len(c), reason="initial text", text=c)
+        return s.ids
 
-    run("toktier Session(tok, ctx) (full path)", lambda c: Session(tok, c).ids)
-    run("toktier encode_full", lambda c: encode_full(tok, c))
+    # label -> (prepare(text) -> fn, untimed; or None: fn itself)
+    rows: dict[str, tuple] = {
+        "toktier Session(tok, ctx) (full path)": (None, lambda c: Session(tok, c).ids),
+        "toktier Session, general path (Session._full)": (None, general),
+        "toktier encode_full": (None, lambda c: encode_full(tok, c)),
+    }
     for label, fn in (extra or {}).items():
-        run(label, fn)
+        rows[label] = (None, fn)
     for k, f in stateless.items():
         def fresh(c, f=f):
-            # untimed here: a fresh object, its lazy set-up done on an unrelated text
+            # untimed: a fresh object, its lazy set-up done on an unrelated text
             e = f()
             e(warm_text)
             return e
-        ts, ok = [], True
-        for c, r in zip(ctxs, refs):
-            e = fresh(c)
-            t0 = time.perf_counter()
-            ids = e(c)
-            ts.append(time.perf_counter() - t0)
-            ok &= bool(np.array_equal(ids, r))
-        out[f"{k} (fresh object warmed on other text)"] = p50(ts)
-        exact[f"{k} (fresh object warmed on other text)"] = ok
+        rows[f"{k} (fresh object warmed on other text)"] = (fresh, None)
         e = f()
         e(warm_text)
-        run(f"{k} (one warm object across the 3 texts)", e)
+        rows[f"{k} (one warm object across the {reps} texts)"] = (None, e)
+    inner: dict[str, list[float]] = {}
     if peer is not None:
-        tr: list[float] = []
+        inner = {"tt03-core put (inner)": [], "tt03-api encode(session=new) (inner)": []}
 
         def core(c):
             rep, ids, rt = peer.call({"op": "core_start", "want_ids": True}, c)
-            tr.append(rep["t_inner_s"])
+            inner["tt03-core put (inner)"].append(rep["t_inner_s"])
             return ids
-        run("tt03-core put (round trip)", core)
-        out["tt03-core put (inner)"], exact["tt03-core put (inner)"] = p50(tr), exact["tt03-core put (round trip)"]
-        ta: list[float] = []
 
         def api(c):
-            rep, ids, rt = peer.call({"op": "api_encode", "session": f"start-{size}-{len(ta)}-{time.time()}",
+            n = len(inner["tt03-api encode(session=new) (inner)"])
+            rep, ids, rt = peer.call({"op": "api_encode", "session": f"start-{size}-{n}-{time.time()}",
                                       "want_ids": True}, c)
-            ta.append(rep["t_inner_s"])
+            inner["tt03-api encode(session=new) (inner)"].append(rep["t_inner_s"])
             return ids
-        run("tt03-api encode(session=new) (round trip)", api)
-        out["tt03-api encode(session=new) (inner)"] = p50(ta)
-        exact["tt03-api encode(session=new) (inner)"] = exact["tt03-api encode(session=new) (round trip)"]
+        rows["tt03-core put (round trip)"] = (None, core)
+        rows["tt03-api encode(session=new) (round trip)"] = (None, api)
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    exact: dict[str, bool] = {k: True for k in rows}
+    rng = random.Random(seed * 1_000_003 + size)
+    for c, r in zip(ctxs, refs):
+        order = list(rows)
+        rng.shuffle(order)
+        for label in order:
+            prep, fn = rows[label]
+            if prep is not None:
+                fn = prep(c)
+            t0 = time.perf_counter()
+            ids = fn(c)
+            times[label].append(time.perf_counter() - t0)
+            exact[label] &= ids is not None and bool(np.array_equal(np.asarray(ids), r))
+    out = {k: p50(v) for k, v in times.items()}
+    for k, v in inner.items():
+        out[k] = p50(v)
+        exact[k] = exact[k.replace("(inner)", "(round trip)")]
     return out, exact
 
 
@@ -331,6 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--o200k-sizes", default="100000,1000000",
                     help="sizes of the o200k_base rows (chat-1.4K only); empty to skip")
     ap.add_argument("--starts", default="1000000,4000000", help="session-start sizes; empty to skip")
+    ap.add_argument("--start-reps", type=int, default=5, help="texts per session-start size (each engine once per text)")
     ap.add_argument("--no-peer", action="store_true", help="skip toktier 0.3.0")
     ap.add_argument("--settle-ms", type=float, default=0.0, help="sleep before each timed call (default none)")
     ap.add_argument("--peer-api-appends", type=int, default=25,
@@ -402,10 +415,10 @@ def main(argv=None) -> int:
             all_paths.append((f"o200k_base {size}", paths))
     starts = [int(x) for x in args.starts.split(",") if x]
     if starts:
-        print("\n| session start (llama3, chat context) | engine | ms (median of 3) | exact | vs fastokens |")
+        print(f"\n| session start (llama3, chat context) | engine | ms (median of {args.start_reps}) | exact | vs fastokens |")
         print("|---|---|---|---|---|")
         for size in starts:
-            out, exact = session_starts(tok, size, stateless, peer)
+            out, exact = session_starts(tok, size, stateless, peer, reps=args.start_reps)
             f = out["fastokens (fresh object warmed on other text)"]
             for k, v in out.items():
                 print(f"| {size:,} | {k} | {v:.1f} | {exact[k]} | {f / v:.2f}x |", flush=True)

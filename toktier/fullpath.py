@@ -109,6 +109,15 @@ def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathC
     return _encode_cpu(tok, text, cfg)[0]
 
 
+def _native_cuts(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> list[int]:
+    """Where the native engine's chunks of `text` are cut: one chunk per core above
+    `native_min_parallel_chars`, else none."""
+    if len(text) < cfg.native_min_parallel_chars:
+        return []
+    # (os.cpu_count reads /sys: 7 us, a fifth of a small text's whole encode)
+    return chunk_cuts(tok, text, cfg.chunk_chars or -(-len(text) // (os.cpu_count() or 1)))
+
+
 def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> tuple[np.ndarray, bool]:
     """(IDs, whether they were encoded in parallel chunks)."""
     # tiktoken encodes ~7x faster than HF and chunking it gained 1.0-1.5x on 2 cores (less
@@ -117,13 +126,11 @@ def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> tuple[n
     # (a cut search and a thread hand-off cost more than a smaller chunk saves).
     engine = tok.engine_label
     if engine == "native":
-        chunked = len(text) >= cfg.native_min_parallel_chars
-        # (os.cpu_count reads /sys: 7 us, a fifth of a small text's whole encode)
-        size = (cfg.chunk_chars or -(-len(text) // (os.cpu_count() or 1))) if chunked else 0
+        cuts = _native_cuts(tok, text, cfg)
     else:
         chunked = engine == "tokenizers" and len(text) >= cfg.min_parallel_chars
         size = (cfg.chunk_chars or _adaptive_chunk(len(text))) if chunked else 0
-    cuts = chunk_cuts(tok, text, size) if chunked else []
+        cuts = chunk_cuts(tok, text, size) if chunked else []
     if not cuts:
         # encode_fast releases the GIL (HF batch API, tiktoken), so a server thread
         # doing a session start never freezes the event loop.
@@ -165,6 +172,25 @@ class FullPath:
             c["chunked"] += chunked
             c["chars"] += len(text)
         return ids
+
+    def start(self, tok: FrozenTokenizer, text: str):
+        """A session start's first pass on the CPU, for `Session` to lay out in its own buffers
+        (`toktier.native.NativeEngine.start_chunks`: the same IDs as `encode`, and no whole-text copy
+        on the calling thread), or None: then `encode` serves it (a GPU is given, the reference
+        engine serves `tok`, or a chunk needs the reference)."""
+        nat = tok.native
+        if self.gpu is not None or nat is None or not nat.active:
+            return None
+        cuts = _native_cuts(tok, text, self.config)
+        staged = nat.start_chunks(text, cuts)
+        if staged is None:
+            return None
+        with self._lock:
+            c = self._counts
+            c["encodes"] += 1
+            c["chunked"] += bool(cuts)
+            c["chars"] += len(text)
+        return staged
 
     def is_parallel(self, n_chars: int, tok: FrozenTokenizer | None = None) -> bool:
         """Whether a text of `n_chars` characters is worth this path's parallel machinery

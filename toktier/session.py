@@ -182,10 +182,60 @@ class Session:
         # An operator (e.g. the shadow verifier on a mismatch) may switch splicing off.
         self.fast_path = True
         if text:
+            if isinstance(text, str) and self._start(text):
+                return
             data = _to_utf8(text)
             if len(data) >= MAX_TEXT_BYTES:
                 raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
             self._full(data, len(text), reason="initial text", text=text)
+
+    def _start(self, text: str) -> bool:
+        """The session start through the native engine's staged chunks (`FullPath.start`): the IDs, the
+        text's UTF-8 and the checkpoints written by the chunk threads straight into this session's
+        buffers, so the calling thread copies nothing of the whole text (`_full` encoded it to bytes,
+        concatenated the chunks' IDs, then copied both and walked the IDs for the checkpoints: ~4 ms
+        of a 4M-character start).  False, with nothing changed: `_full` serves it (no native engine,
+        a GPU, NFC families' non-ASCII text, anything the proof below does not cover)."""
+        tok = self.tokenizer
+        if not self._spliceable or (tok.family_info.nfc and not text.isascii()):
+            return False  # (NFC spans are found by `_install_offsets`' general path)
+        staged = self.full_path.start(tok, text)
+        if staged is None:
+            return False
+        if staged.num_bytes >= MAX_TEXT_BYTES:
+            raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
+        if staged.num_bytes >= 1 << 16:
+            digit_table_of(tok)  # as in `_full`: once per tokenizer, inside this slower op
+            if tok.family_info.name == "o200k":
+                case_table_of(tok)
+        n = staged.num_ids
+        # room for the next ops' tokens and text, as a restore leaves (`_prime`): the first append
+        # after a 4M-character start copied both buffers (1.4 ms) to grow them
+        self._ids.reserve(n + PRIME_HEADROOM)
+        self._starts.reserve_for(n + PRIME_HEADROOM)
+        cp_buf, _ = self._starts.raw()
+        spare = 8 * PRIME_HEADROOM if staged.num_bytes >= PRIME_SPARE_TEXT else 0
+        data = staged.write(self._ids.buffer, cp_buf, STRIDE, spare)
+        if data is None:  # an id outside the length table (never from a built engine)
+            return False
+        self._ids.n = n
+        self._text = data
+        self._nchars = len(text)
+        self._ascii = text.isascii()
+        ids = self._ids.view()
+        # Each chunk's canonical token lengths tile its bytes (so the checkpoints written from the
+        # chunks' byte starts are the canonical prefix sums) and no uncertain token spans other
+        # bytes: what `_install_offsets` proves from the same sums; otherwise its general path.
+        if staged.tiles and (not staged.uncertain or tok.table.canonical_spans_ok(ids, data)):
+            self._starts.set_count(-(-n // STRIDE))
+            self._tiles = True
+            self._set_dirty([])
+        else:
+            self._install_offsets(ids, bytes(data))
+        self.stats.full += 1
+        self.stats.tokens_retokenized += n
+        self.stats.full_reasons["initial text"] = self.stats.full_reasons.get("initial text", 0) + 1
+        return True
 
     # -- forks and primed sessions ---------------------------------------------
     def fork(self, *, allocator: Allocator | None = None) -> "Session":

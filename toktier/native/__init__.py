@@ -111,6 +111,23 @@ class NativeEngine:
                 self._give(cache)
         return ids if status == 0 else None
 
+    def start_chunks(self, text: str, cuts: list[int]):
+        """A session start's first pass (`_engine.CoreEngine.start_chunks`): `text` encoded at `cuts`
+        (standalone-stable, possibly none), a thread per chunk; the `StagedStart` whose `write`
+        lays the ids, the UTF-8 and the checkpoints out in the session's own buffers, or None when a
+        chunk needs the reference (an NFC-changeable character, a surrogate) or the engine is demoted."""
+        if self.demoted is not None:
+            return None
+        caches = [self._take() for _ in range(len(cuts) + 1)]
+        try:
+            table = self._tok.table
+            status, staged = self._core.start_chunks(text, cuts, caches, self._tok.token_len,
+                                                     table.uncertain if table.any_uncertain else None)
+        finally:
+            for cache in caches:
+                self._give(cache)
+        return staged if status == 0 else None
+
     def lane(self):
         """The compiled first-window splice of edits and appends (``repair.hpp``), built once per engine."""
         lane = self._lane

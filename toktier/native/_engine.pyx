@@ -53,6 +53,14 @@ cdef extern from "engine.hpp" namespace "ttn":
         vector[int64_t] starts
         cbool want_starts
 
+    cdef cppclass ChunkSums:
+        vector[int64_t] len
+        vector[char] uncertain
+        vector[char] bad
+        const uint32_t* token_len
+        const uint8_t* uncertain_ids
+        int64_t token_len_n
+
     cdef cppclass Engine:
         Tables t
         Trie lit1, lit2
@@ -64,6 +72,9 @@ cdef extern from "engine.hpp" namespace "ttn":
         int encode_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
                              const vector[PieceCache*]& caches, cbool want_starts, vector[Output]& outs,
                              vector[int64_t]& nbytes) except + nogil
+        void assemble_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
+                                const vector[Output]& outs, const vector[int64_t]& nbytes, ChunkSums& sums,
+                                uint32_t* ids, uint8_t* u8, uint32_t* cp, int64_t stride) except + nogil
         void pieces[T](const T* s, int64_t n, vector[int64_t]& starts, vector[int64_t]& lit_flags) except + nogil
         void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, vector[uint32_t]& out) except + nogil
         size_t n_records()
@@ -114,6 +125,78 @@ cdef object _i64(const int64_t* p, size_t n):
     if n:
         memcpy(&v[0], p, n * sizeof(int64_t))
     return out
+
+
+cdef extern from "Python.h":
+    object PyByteArray_FromStringAndSize(const char* s, Py_ssize_t n)
+    char* PyByteArray_AS_STRING(object)
+    int PyByteArray_Resize(object, Py_ssize_t n) except -1
+
+
+cdef class StagedStart:
+    """A session start encoded chunk by chunk (`CoreEngine.start_chunks`), not yet laid out:
+    `write` puts the ids, the text's UTF-8 and the checkpoints where the session keeps them, one
+    thread per chunk.  Holds the text (its code points are read again) and the length tables."""
+
+    cdef vector[Output] outs
+    cdef vector[int64_t] nbytes
+    cdef vector[int64_t] cuts
+    cdef ChunkSums sums
+    cdef object text, engine, tl, un
+    cdef int64_t n
+    cdef int kind
+    cdef cbool ascii
+    cdef readonly size_t num_ids
+    cdef readonly int64_t num_bytes
+    cdef readonly bint tiles  # after `write`: every chunk's canonical token lengths sum to its bytes
+    cdef readonly bint uncertain  # after `write`: a token is flagged uncertain (its span needs the exact check)
+    cdef bint written
+
+    def write(self, uint32_t[::1] ids, uint32_t[::1] checkpoints, int64_t stride, Py_ssize_t spare=0):
+        """Second pass: the ids into ``ids[:num_ids]`` and the checkpoints into ``checkpoints``
+        (``checkpoints[j]``: the byte start of token ``j * stride``, exact when `tiles`); returns
+        the text's UTF-8 as a new bytearray (allocated with `spare` more bytes, which the next
+        appends grow into without a copy when `spare` is under half of it), or None when an id
+        lies outside the length table (the caller takes the general path).  Once only: the chunk
+        outputs are freed after."""
+        if self.written:
+            raise RuntimeError("StagedStart.write: already written")
+        if <size_t>ids.shape[0] < self.num_ids:
+            raise ValueError("ids must hold num_ids")
+        if stride <= 0 or checkpoints.shape[0] < (<int64_t>self.num_ids + stride - 1) // stride:
+            raise ValueError("checkpoints must hold ceil(num_ids / stride) and stride must be positive")
+        if spare < 0:
+            raise ValueError("spare must not be negative")
+        # uninitialized: the threads write it all; a minor shrink keeps the allocation (CPython)
+        text = PyByteArray_FromStringAndSize(NULL, self.num_bytes + spare)
+        if spare:
+            PyByteArray_Resize(text, self.num_bytes)
+        cdef uint8_t* u8 = <uint8_t*>PyByteArray_AS_STRING(text)
+        cdef uint32_t* ip = &ids[0] if ids.shape[0] else NULL
+        cdef uint32_t* cp = &checkpoints[0] if checkpoints.shape[0] else NULL
+        cdef void* data = PyUnicode_DATA(self.text)
+        cdef CoreEngine eng = self.engine
+        self.written = True
+        with nogil:
+            if self.kind == 1:
+                eng.e.assemble_chunks[uint8_t](<const uint8_t*>data, self.n, self.ascii, self.cuts, self.outs,
+                                               self.nbytes, self.sums, ip, u8, cp, stride)
+            elif self.kind == 2:
+                eng.e.assemble_chunks[uint16_t](<const uint16_t*>data, self.n, self.ascii, self.cuts, self.outs,
+                                                self.nbytes, self.sums, ip, u8, cp, stride)
+            else:
+                eng.e.assemble_chunks[uint32_t](<const uint32_t*>data, self.n, self.ascii, self.cuts, self.outs,
+                                                self.nbytes, self.sums, ip, u8, cp, stride)
+        self.outs.clear()
+        self.outs.shrink_to_fit()
+        cdef size_t i
+        self.tiles = True
+        for i in range(self.sums.len.size()):
+            if self.sums.bad[i]:
+                return None
+            self.tiles = self.tiles and self.sums.len[i] == self.nbytes[i]
+            self.uncertain = self.uncertain or self.sums.uncertain[i] != 0
+        return text
 
 
 cdef class CoreEngine:
@@ -277,6 +360,66 @@ cdef class CoreEngine:
             at += outs[i].ids.size()
             base += nbytes[i]
         return 0, ids, starts
+
+    def start_chunks(self, str text, cuts, list caches, token_len, uncertain=None):
+        """A session start's first pass: `encode_chunks` of `text` at `cuts` (may be empty: one
+        chunk, on this thread).  `token_len` (uint32 per id) and `uncertain` (uint8 per id, or None
+        when no id is) are what `StagedStart.write` sums.  Returns (status, `StagedStart` or None)."""
+        if PyUnicode_GET_LENGTH(text) > MAX_CHARS:
+            return SURROGATE, None
+        cdef StagedStart st = StagedStart.__new__(StagedStart)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        cdef int64_t prev = 0
+        for c in cuts:
+            if not prev < c < n:
+                raise ValueError("cuts must be ascending offsets strictly inside the text")
+            st.cuts.push_back(c)
+            prev = c
+        if len(caches) != st.cuts.size() + 1:
+            raise ValueError("one piece cache per chunk")
+        cdef vector[PieceCache*] cv_caches
+        cdef PieceCacheBox box
+        for box in caches:
+            cv_caches.push_back(box.c)
+        lens = np.ascontiguousarray(token_len, dtype=np.uint32)
+        if len(lens) == 0:
+            raise ValueError("token_len must not be empty")
+        cdef const uint32_t[::1] tl = lens
+        cdef const uint8_t[::1] un
+        st.tl = lens  # the threads read them: kept alive with the staged start
+        st.sums.token_len = &tl[0]
+        st.sums.token_len_n = tl.shape[0]
+        if uncertain is not None:
+            flags = np.ascontiguousarray(uncertain, dtype=np.uint8)
+            if len(flags) != len(lens):
+                raise ValueError("uncertain must have one flag per token_len entry")
+            un = flags
+            st.un = flags
+            st.sums.uncertain_ids = &un[0]
+        st.text = text
+        st.engine = self
+        st.n = n
+        st.kind = PyUnicode_KIND(text)
+        st.ascii = PyUnicode_IS_ASCII(text) != 0
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int status
+        with nogil:
+            if st.kind == 1:
+                status = self.e.encode_chunks[uint8_t](<const uint8_t*>data, n, st.ascii, st.cuts, cv_caches, False,
+                                                       st.outs, st.nbytes)
+            elif st.kind == 2:
+                status = self.e.encode_chunks[uint16_t](<const uint16_t*>data, n, st.ascii, st.cuts, cv_caches, False,
+                                                        st.outs, st.nbytes)
+            else:
+                status = self.e.encode_chunks[uint32_t](<const uint32_t*>data, n, st.ascii, st.cuts, cv_caches, False,
+                                                        st.outs, st.nbytes)
+        if status != 0:
+            return status, None
+        cdef size_t i
+        for i in range(st.outs.size()):
+            st.num_ids += st.outs[i].ids.size()
+            st.num_bytes += st.nbytes[i]
+        return 0, st
 
     @property
     def block_scanner(self):

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <queue>
 #include <thread>
@@ -357,6 +359,18 @@ struct Output {
 };
 
 enum Status : int { OK = 0, NEEDS_NFC = 1, SURROGATE = 2 };
+
+// What `Engine::assemble_chunks` finds per chunk while it lays a session start out: the sum of
+// its tokens' canonical byte lengths (`token_len`, `token_len_n` ids), whether one of them is
+// flagged in `uncertain` (null: none is), and `bad`: an id past `token_len` (none comes from a
+// built engine; the caller then takes the general path).
+struct ChunkSums {
+  std::vector<int64_t> len;
+  std::vector<char> uncertain, bad;
+  const uint32_t* token_len = nullptr;
+  const uint8_t* uncertain_ids = nullptr;
+  int64_t token_len_n = 0;
+};
 
 class Engine {
  public:
@@ -1361,22 +1375,93 @@ class Engine {
       }
       bytes[i] = nb;
     };
-    std::vector<std::thread> threads;
-    threads.reserve(k - 1);
-    for (size_t i = 1; i < k; ++i) {
-      try {
-        threads.emplace_back(work, i);
-      } catch (...) {  // no thread to be had (std::system_error): this one encodes the chunk
-        work(i);
-      }
-    }
-    work(0);
-    for (std::thread& th : threads) th.join();
+    run_chunks(k, work);
     for (size_t i = 0; i < k; ++i)
       if (failed[i]) throw std::bad_alloc();
     for (size_t i = 0; i < k; ++i)
       if (status[i] != OK) return status[i];
     return OK;
+  }
+
+  // work(i) for i in [0, k): one thread each, this one taking i = 0 (and any chunk no thread
+  // could be had for).  `work` must not throw.
+  template <class F>
+  static void run_chunks(size_t k, F& work) {
+    std::vector<std::thread> threads;
+    threads.reserve(k - 1);
+    for (size_t i = 1; i < k; ++i) {
+      try {
+        threads.emplace_back(std::ref(work), i);
+      } catch (...) {  // no thread to be had (std::system_error): this one does the chunk
+        work(i);
+      }
+    }
+    work(0);
+    for (std::thread& th : threads) th.join();
+  }
+
+  // A session start's second pass over `encode_chunks`' outputs (cuts and the text as given
+  // there; `bytes` its UTF-8 lengths): chunk i's ids copied to ids + (its first token's index),
+  // its UTF-8 written to u8 + (its first byte), and the checkpoints of its tokens (cp[j]: the
+  // byte start of token j * stride) written from the chunk's byte start by summing `token_len`,
+  // one thread per chunk; `sums` gets each chunk's length sum and uncertain flag.  The
+  // checkpoints are the canonical prefix sums (`_engine.token_checkpoints` of the concatenated
+  // ids) exactly when every chunk tiles (sums.len[i] == bytes[i]); the caller checks that.
+  // Done on the calling thread, these copies were ~4 ms of a 4M-character start (the UTF-8
+  // copy, the concatenation and the session's copy of both, the checkpoint pass).
+  template <class T>
+  void assemble_chunks(const T* s, int64_t n, bool ascii, const std::vector<int64_t>& cuts,
+                       const std::vector<Output>& outs, const std::vector<int64_t>& bytes, ChunkSums& sums,
+                       uint32_t* ids, uint8_t* u8, uint32_t* cp, int64_t stride) const {
+    const size_t k = cuts.size() + 1;
+    std::vector<int64_t> id_at(k + 1, 0), byte_at(k + 1, 0);
+    for (size_t i = 0; i < k; ++i) {
+      id_at[i + 1] = id_at[i] + int64_t(outs[i].ids.size());
+      byte_at[i + 1] = byte_at[i] + bytes[i];
+    }
+    sums.len.assign(k, 0);
+    sums.uncertain.assign(k, 0);
+    sums.bad.assign(k, 0);
+    auto work = [&](size_t i) {
+      const int64_t a = i ? cuts[i - 1] : 0, b = i + 1 < k ? cuts[i] : n;
+      const std::vector<uint32_t>& v = outs[i].ids;
+      if (!v.empty()) std::memcpy(ids + id_at[i], v.data(), v.size() * sizeof(uint32_t));
+      if (u8) {
+        uint8_t* w = u8 + byte_at[i];
+        if (sizeof(T) == 1 && ascii) {
+          std::memcpy(w, reinterpret_cast<const uint8_t*>(s) + a, size_t(b - a));
+        } else {
+          int64_t j = a;
+          while (j < b) {
+            // `ascii8` stores 8 bytes: only where 8 characters remain in the chunk (each takes at
+            // least a byte, so the store stays inside this chunk's part of u8)
+            const int m = b - j >= 8 ? ascii8(s + j, 8, w) : 0;
+            if (m) { w += m; j += m; continue; }
+            const uint32_t c = uint32_t(s[j++]);
+            if (c < 0x80) *w++ = uint8_t(c);
+            else w = put_utf8(c, w);
+          }
+        }
+      }
+      // token g's start, from the chunk's first byte; checkpoints where g is a multiple of stride
+      int64_t g = id_at[i], total = byte_at[i];
+      int64_t next = stride > 0 ? (g + stride - 1) / stride * stride : std::numeric_limits<int64_t>::max();
+      uint8_t flags = 0;
+      const uint8_t* un = sums.uncertain_ids;
+      for (size_t t = 0; t < v.size(); ++t, ++g) {
+        const uint32_t id = v[t];
+        if (int64_t(id) >= sums.token_len_n) { sums.bad[i] = 1; return; }
+        if (g == next) {
+          if (cp && total <= int64_t(0xFFFFFFFF)) cp[g / stride] = uint32_t(total);
+          next += stride;
+        }
+        total += sums.token_len[id];
+        if (un) flags |= un[id];
+      }
+      sums.len[i] = total - byte_at[i];
+      sums.uncertain[i] = flags != 0;
+    };
+    run_chunks(k, work);
   }
 
   // Piece boundaries only (character offsets; literals are pieces too): for the campaigns.

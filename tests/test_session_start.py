@@ -1,0 +1,188 @@
+"""Session starts laid out by the native engine's chunk threads (`Session._start`, `FullPath.start`,
+`_engine.StagedStart`): the same IDs, text bytes, checkpoints and tiling verdict as the general
+path (`Session._full`), against the real references, on every str width and on adversarial text."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import toktier
+from adversarial import ATOMS
+from conftest import ALL_TOKENIZERS, get_tokenizer
+from crafted import VARIANTS
+from toktier import Session
+from toktier.errors import InvalidText
+from toktier.fullpath import FullPath, FullPathConfig
+from toktier.offsets import STRIDE, SparseOffsets
+from toktier.session import _to_utf8
+from toktier.tools.corpus import large_text, samples
+
+# Many chunks (a thread each) on small texts, so chunk edges fall everywhere.
+MANY = FullPathConfig(chunk_chars=1024, native_min_parallel_chars=0)
+
+
+def _general(tok, text: str, fp: FullPath) -> Session:
+    """The same start through `_full` (the path every start took before the staged one)."""
+    s = Session(tok, "", full_path=fp)
+    s._full(_to_utf8(text), len(text), reason="initial text", text=text)
+    return s
+
+
+def _check(tok, text: str, cfg: FullPathConfig = MANY) -> Session:
+    fp = FullPath(cfg)
+    s = Session(tok, text, full_path=fp)
+    ref = tok.encode(text)
+    assert np.array_equal(s.ids, ref)
+    assert bytes(s._text) == text.encode("utf-8") and s.num_chars == len(text)
+    g = _general(tok, text, FullPath(cfg))
+    assert np.array_equal(s._starts.checkpoints(), g._starts.checkpoints())
+    assert (s._tiles, s._dirty, s._ascii) == (g._tiles, g._dirty, g._ascii)
+    if s._tiles:
+        want = SparseOffsets(tok.token_len)
+        want.rebuild(ref)
+        assert np.array_equal(s._starts.checkpoints(), want.checkpoints())
+    assert s.stats.full == 1 and s.stats.full_reasons == {"initial text": 1}
+    assert fp.stats().encodes == 1
+    return s
+
+
+def _staged(tok, text: str) -> bool:
+    """Whether `Session._start` takes `text` (else `_full` does)."""
+    return tok.native is not None and not (tok.family_info.nfc and not text.isascii())
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_start_equals_reference_and_general_path(name, tally):
+    tok = get_tokenizer(name)
+    texts = [s.text for s in samples(max_chars_per_sample=20_000)]
+    texts += [large_text(40_000, seed=2, kind=k) for k in ("code", "english", "mixed", "multilingual")]
+    texts += [
+        "def f(x):\n    return x + 1\n" * 700,  # ASCII: the str's own bytes are copied
+        "caf\u00e9 na\u00efve \u00a7 " * 900,  # 1-byte str, not ASCII: converted
+        "\u4f60\u597d\u4e16\u754c\u3002 hello " * 700,  # 2-byte str
+        "emoji \U0001F600 and text " * 800,  # 4-byte str
+    ]
+    staged = 0
+    for text in texts:
+        s = _check(tok, text)
+        staged += _staged(tok, text)
+        r = s.append(" tail 123\n")
+        assert np.array_equal(r.ids, tok.encode(text + " tail 123\n"))
+        r = s.edit(len(text) // 2, len(text) // 2 + 3, "x")
+        assert np.array_equal(r.ids, tok.encode(s.text))
+        tally(tok, "session")
+    assert staged >= 4  # every family takes ASCII text through the staged start
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_default_config_one_chunk_per_core(name):
+    tok = get_tokenizer(name)
+    text = large_text(300_000, seed=9, kind="code")
+    fp = FullPath()
+    s = Session(tok, text, full_path=fp)
+    assert np.array_equal(s.ids, tok.encode(text)) and bytes(s._text) == text.encode()
+    assert fp.stats().chunked == 1  # the staged start and `_full` (qwen3's non-ASCII text) alike
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(ATOMS), min_size=1, max_size=300).map("".join))
+def test_start_on_adversarial_text(name, text, tally):
+    tok = get_tokenizer(name)
+    _check(tok, text, FullPathConfig(chunk_chars=8, native_min_parallel_chars=0))
+    tally(tok, "session")
+
+
+def test_uncertain_tokens_are_proven_or_refused(tmp_path):
+    """Two literals sharing one id (an id with two spellings): the start flags the id and the exact
+    span check decides, as the general path does (proven for the canonical spelling, else not)."""
+    v = next(v for v in VARIANTS if v.name == "tt-shared-id")
+    tok = toktier.load_tokenizer(**v.build(tmp_path))
+    assert tok.native is not None and tok.table.any_uncertain
+    canon = tok.table.token_bytes[100300].decode()
+    other = ({"<|p|>", "<|q|>"} - {canon}).pop()
+    verdicts = set()
+    for text in (f"a {canon} b " * 600, f"a {other} b " * 600, f"x {canon}{other} y " * 500, "plain words only " * 400):
+        staged = tok.native.start_chunks(text, [])
+        staged.write(np.empty(staged.num_ids, np.uint32), np.empty(-(-staged.num_ids // STRIDE), np.uint32), STRIDE)
+        assert staged.uncertain == (canon in text or other in text)
+        verdicts.add(_check(tok, text)._tiles)
+    assert verdicts == {True, False}  # both outcomes of the span check were exercised
+
+
+def test_a_chunk_that_does_not_tile_takes_the_general_path(monkeypatch):
+    """Lengths that do not tile the chunks' bytes (a stand-in for any unproven state): the session
+    falls back to `_install_offsets`, which proves tiling from the real lengths."""
+    tok = get_tokenizer("llama3")
+    nat = tok.native
+    core = nat._core
+    wrong = tok.token_len.copy()
+    wrong[tok.encode(" the")[0]] += 1
+    calls = []
+
+    def start_chunks(text, cuts, caches, token_len, uncertain=None):
+        status, staged = core.start_chunks(text, cuts, caches, wrong, uncertain)
+        calls.append(staged)
+        return status, staged
+
+    class Core:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+    fake = Core()
+    fake.start_chunks = start_chunks
+    monkeypatch.setattr(nat, "_core", fake)
+    text = "the cat and the dog " * 2000
+    s = _check(tok, text)
+    assert calls and not calls[0].tiles and s._tiles
+
+
+def test_staged_start_api_misuse():
+    tok = get_tokenizer("llama3")
+    nat = tok.native
+    text = "hello world " * 1000
+    staged = nat.start_chunks(text, [])
+    assert staged.num_bytes == len(text) and staged.num_ids == len(tok.encode(text))
+    n_cp = -(-staged.num_ids // STRIDE)
+    with pytest.raises(ValueError, match="ids must hold"):
+        staged.write(np.empty(staged.num_ids - 1, np.uint32), np.empty(n_cp, np.uint32), STRIDE)
+    with pytest.raises(ValueError, match="checkpoints"):
+        staged.write(np.empty(staged.num_ids, np.uint32), np.empty(n_cp - 1, np.uint32), STRIDE)
+    ids = np.empty(staged.num_ids, np.uint32)
+    data = staged.write(ids, np.empty(n_cp, np.uint32), STRIDE)
+    assert bytes(data) == text.encode() and np.array_equal(ids, tok.encode(text)) and staged.tiles
+    with pytest.raises(RuntimeError, match="already written"):
+        staged.write(ids, np.empty(n_cp, np.uint32), STRIDE)
+    with pytest.raises(ValueError, match="ascending"):
+        nat.start_chunks(text, [5, 5])
+
+
+def test_what_the_staged_start_declines():
+    qwen = get_tokenizer("qwen3")  # an NFC family's non-ASCII text: `_full` finds its spans
+    text = "Cafe\u0301 and caf\u00e9 " * 400
+    s = Session(qwen, text, full_path=FullPath(MANY))
+    assert np.array_equal(s.ids, qwen.encode(text))
+    with pytest.raises(InvalidText, match="not valid Unicode"):
+        Session(get_tokenizer("llama3"), "ok \ud800 lone surrogate " * 100)
+    with pytest.raises(InvalidText):
+        Session(get_tokenizer("llama3"), b"bytes are not text")  # type: ignore[arg-type]
+    ref = toktier.load_tokenizer("llama3", engine="reference")
+    s = Session(ref, "reference engine " * 300)
+    assert np.array_equal(s.ids, ref.encode(s.text)) and s.stats.full_reasons == {"initial text": 1}
+
+
+def test_start_writes_into_the_allocators_buffer():
+    tok = get_tokenizer("cl100k_base")
+    made = []
+
+    def alloc(n):
+        made.append(np.zeros(n, np.uint32))
+        return made[-1]
+
+    text = large_text(30_000, seed=5, kind="english")
+    s = Session(tok, text, allocator=alloc, full_path=FullPath(MANY))
+    assert np.array_equal(s.ids, tok.encode(text))
+    assert any(np.shares_memory(s.ids, m) for m in made)
