@@ -26,6 +26,9 @@ def check(off: SparseOffsets, ids: np.ndarray) -> None:
         assert np.array_equal(off.starts(ids, lo, hi), dense[lo:hi])
     for pos in {0, 1, total // 3, total - 1, total, total + 7, *dense[:: max(1, len(ids) // 50)].tolist()}:
         assert off.locate(ids, int(pos)) == int(np.searchsorted(dense, pos, "left")), pos
+    longer = np.concatenate((ids, np.arange(5, dtype=np.uint32)))  # a buffer with room after the ids
+    for k in {*range(0, len(ids), max(1, len(ids) // 40)), len(ids) - 1} - {-1}:
+        assert off.start_of(longer, k) == int(dense[k]), k
 
 
 ids_strategy = st.lists(st.integers(0, len(TOKEN_LEN) - 1), max_size=400).map(lambda x: np.array(x, np.uint32))
@@ -81,3 +84,39 @@ def test_the_compiled_pass_is_the_one_tested_where_built():
         ids = np.arange(len(TOKEN_LEN), dtype=np.uint32)
         assert _core.token_checkpoints(ids, TOKEN_LEN, STRIDE, out) == int(TOKEN_LEN.sum())
         assert _core.token_checkpoints(np.array([99], np.uint32), TOKEN_LEN, STRIDE, out) == -1
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=ids_strategy.filter(len))
+def test_start_of_is_starts_in_both_paths(ids):
+    """`start_of` (the compiled `token_start` where built, numpy otherwise) answers as `starts`."""
+    import toktier.offsets as offsets_module
+
+    off = SparseOffsets(TOKEN_LEN)
+    off.rebuild(ids)
+    want = off.starts(ids, 0, len(ids))
+    compiled = offsets_module._native
+    for native in {compiled, None}:
+        offsets_module._native = native
+        try:
+            for k in {0, len(ids) - 1, len(ids) // 2, min(len(ids) - 1, STRIDE)}:
+                assert off.start_of(ids, k) == int(want[k]), (native is None, k)
+        finally:
+            offsets_module._native = compiled
+
+
+def test_token_start_refuses_what_it_cannot_answer():
+    from toktier.native import _core
+    if _core is None:
+        pytest.skip("the compiled module is not built")
+    off = SparseOffsets(TOKEN_LEN)
+    ids = np.array([0, 1, 2, 3, 4, 5, 6, 0, 1, 2], dtype=np.uint32)
+    off.rebuild(ids)
+    cps = off.checkpoints()
+    assert _core.token_start(ids, TOKEN_LEN, cps, STRIDE, 9) == int(TOKEN_LEN[ids[:9]].sum())
+    with pytest.raises(IndexError):
+        _core.token_start(ids, TOKEN_LEN, cps, STRIDE, 10)
+    with pytest.raises(IndexError):
+        _core.token_start(np.array([10**6, 0], np.uint32), TOKEN_LEN, cps, STRIDE, 1)
+    with pytest.raises(TypeError, match="uint32"):
+        _core.token_start(ids.astype(np.int64), TOKEN_LEN, cps, STRIDE, 1)

@@ -306,17 +306,20 @@ def _path_onto(leaf: _Node | None, prefix: list[_Node], length: int) -> list[_No
     return prefix[:k] + out
 
 
-def _chain_into(anchors: list[int], data: bytes) -> int:
-    """Append to `anchors` (those of the text before `data`, which starts at a block boundary) the
-    anchors of `data`'s whole blocks; return the text's key (the last anchor chained with the tail)."""
+def _chain_into(prev: int, data: bytes) -> tuple[list[int], int]:
+    """(the anchors of `data`'s whole blocks, the text's key: the last anchor chained with the
+    tail) for `data` starting at a block boundary after a text whose last anchor is `prev` (0: none).
+    Only the new anchors are made: the shared ones are the matched path's keys, never listed again
+    (a list of every key was O(text / block) per hit: ~80 us at 1M characters)."""
     B = BLOCK_BYTES
     mv = memoryview(data)
-    h = anchors[-1] if anchors else 0
+    h = prev
+    anchors: list[int] = []
     k = 0
     for k in range(B, len(data) + 1, B):
         h = _chain(h, mv[k - B : k])
         anchors.append(h)
-    return _chain(h, mv[k:])
+    return anchors, _chain(h, mv[k:])
 
 
 def _positive_int(name: str, value: object, minimum: int) -> int:
@@ -621,11 +624,10 @@ class PrefixCache:
                     reused = m + _char_starts(mv[mb:b])
                 off = d * B if session._parts()[1] is not None else 0  # a state that does not tile: whole
                 new = bytes(mv[off:])
-            anchors = [x.key for x in path[:d]] if off else []
-            key = _chain_into(anchors, new)
+            anchors, key = _chain_into(path[d - 1].key if off else 0, new)
             stored = self._store(session, new, n, text.isascii(), anchors, key,
                                  (path, best.id_path, mb, op.first_changed), fallback=op.path.value == "full",
-                                 reused_bytes=b, data_offset=off)
+                                 reused_bytes=b, data_offset=off, anchors_from=d if off else 0)
             if stored is not None and stored.repairable and off and stored.text_leaf is not None:
                 paths = (_path_onto(stored.text_leaf, path, stored.text_leaf.depth),
                          _path_onto(stored.id_leaf, best.id_path, stored.ntokens // ID_BLOCK))
@@ -678,13 +680,14 @@ class PrefixCache:
     # -- store (takes the lock) -------------------------------------------------------------
     def _store(self, session: Session, data: bytes, nchars: int, ascii_only: bool, anchors: list[int], key: int,
                base: tuple[list[_TextNode], list[_IdNode], int, int] | None, *, fallback: bool = False,
-               reused_bytes: int = 0, data_offset: int = 0) -> _Entry | None:
+               reused_bytes: int = 0, data_offset: int = 0, anchors_from: int = 0) -> _Entry | None:
         """Keep `session`'s state (the encoding of `data`) as a new entry sharing `base`'s nodes; the
         entry holding that state now (None: not stored).
 
         `base`: (the matched text path, its id path, bytes in common, first changed token).
         `data_offset`: `data` is the text's UTF-8 from that byte on (a multiple of ``BLOCK_BYTES``, at
-        most base's shared blocks: the bytes before it are in base's nodes)."""
+        most base's shared blocks: the bytes before it are in base's nodes).  `anchors[i]` is block
+        ``anchors_from + i``'s anchor (the blocks before are base's path, at most its shared ones)."""
         ids, cps, dirty = session._parts()
         repairable = self._repairable and cps is not None
         B, M = BLOCK_BYTES, ID_BLOCK
@@ -696,7 +699,8 @@ class PrefixCache:
             if self._max_bytes == 0:
                 self._not_stored += 1
                 return None
-            if not self._enable_l0 and not (repairable and anchors):
+            n_blocks = anchors_from + len(anchors)
+            if not self._enable_l0 and not (repairable and n_blocks):
                 return None  # nothing could ever find it: L1 needs a whole block and a repairable state
             created: list[_TextNode] = []
             parent: _TextNode | None = None
@@ -705,15 +709,18 @@ class PrefixCache:
                 if base is not None:
                     depth = min(base[2] // B, len(base[0]))
                     parent = base[0][depth - 1] if depth else None
-                for k in range(depth, len(anchors)):
-                    node = self._nodes.get(anchors[k])
+                if depth < anchors_from:
+                    raise AssertionError("the anchors start after the shared blocks")  # a caller's bug
+                for k in range(depth, n_blocks):
+                    a = anchors[k - anchors_from]
+                    node = self._nodes.get(a)
                     if node is not None:
                         if node.parent is parent and node.depth == k + 1 and data.startswith(node.data, k * B - off):
                             parent, depth = node, k + 1
                             continue
                         self._collisions += 1  # the rest of the text stays in the tail
                         break
-                    node = _TextNode(anchors[k], k + 1, data[k * B - off : (k + 1) * B - off], parent)
+                    node = _TextNode(a, k + 1, data[k * B - off : (k + 1) * B - off], parent)
                     self._nodes[node.key] = node
                     if parent is not None:
                         parent.children[node.key] = node

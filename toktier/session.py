@@ -395,7 +395,7 @@ class Session:
             return None
         if k >= self._ids.n:
             return len(self._text)
-        norm = int(self._starts.starts(self._ids.view(), k, k + 1)[0])
+        norm = self._starts.start_of(self._ids.buffer, k)
         return int(self._dmap.to_raw(np.array([norm]), "floor")[0]) if self._dmap else norm
 
     # -- read access --------------------------------------------------------

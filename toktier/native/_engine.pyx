@@ -644,6 +644,49 @@ cdef class RepairLane:
         return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid.data(), res.mid.size())
 
 
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT
+
+
+cdef int _u32_buffer(object obj, Py_buffer* view) except -1:
+    PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    fmt = (<bytes>view.format).lstrip(b"@=<") if view.format != NULL else b""
+    if view.itemsize != 4 or fmt not in (b"I", b"L") or view.ndim != 1:
+        PyBuffer_Release(view)
+        raise TypeError(f"a 1-D uint32 buffer was expected, not format {fmt!r} of {view.itemsize} bytes")
+    return 0
+
+
+def token_start(ids, token_len, checkpoints, int64_t stride, int64_t k):
+    """Byte start of token `k` of `ids` (uint32, at least k + 1 of them; a session's whole buffer
+    may be passed) from its `checkpoints` (`toktier.offsets`): the checkpoint's value plus the
+    lengths of at most ``stride - 1`` tokens.  Raw buffers, no typed memoryviews: what a session
+    asks once per op, where numpy's own calls cost ~25 us with their code cold after a repair."""
+    cdef Py_buffer bi, bl, bc
+    cdef int64_t total, j
+    cdef uint32_t t
+    _u32_buffer(ids, &bi)
+    try:
+        _u32_buffer(token_len, &bl)
+        try:
+            _u32_buffer(checkpoints, &bc)
+            try:
+                if stride <= 0 or k < 0 or k >= bi.shape[0] or k // stride >= bc.shape[0]:
+                    raise IndexError(f"token {k} is outside the ids or their checkpoints")
+                total = (<const uint32_t*>bc.buf)[k // stride]
+                for j in range(k - k % stride, k):
+                    t = (<const uint32_t*>bi.buf)[j]
+                    if t >= bl.shape[0]:
+                        raise IndexError(f"id {t} is outside token_len")
+                    total += (<const uint32_t*>bl.buf)[t]
+                return total
+            finally:
+                PyBuffer_Release(&bc)
+        finally:
+            PyBuffer_Release(&bl)
+    finally:
+        PyBuffer_Release(&bi)
+
+
 def token_checkpoints(const uint32_t[::1] ids, const uint32_t[::1] token_len, int64_t stride, uint32_t[::1] out):
     """One pass over `ids`: ``out[j]`` = the byte start of token ``j * stride`` (the session's
     checkpoints, `toktier.offsets`), returned with the tokens' total byte length; -1 when an id
