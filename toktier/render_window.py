@@ -11,7 +11,8 @@ The window scheme
 Stored: the text S of render(old, gp) (or the part of it after a pinned run's marker, see
 `cut`) and L, the length of S without the generation prompt (None: unknown, derived here).
 The window of `old` is ``head + old[c:]``: c leaves WINDOW to WINDOW + STEP - 1 old messages and moves in
-steps of STEP (so one op's render is the next op's window render: `Memo`); head = [old[0]], the
+steps of STEP (STATE_STEP with the state head below; so one op's render is the next op's window
+render: `Memo`); head = [old[0]], the
 last user message before c and, when that one wraps a tool response, the query before it
 (templates key on the first message: system prompt, BOS; and on the last query: Qwen3's think
 blocks).  A conversation too short for that is its own window (then every render below is the
@@ -96,6 +97,11 @@ from .text_diff import match_forward
 #: least one; two keeps the boundary check strong.
 WINDOW = 2
 STEP = 2
+#: STEP for the state head (scheme 1): each move of c changes that head too, so a move costs two
+#: renders (the window's and the head's), not one.  Measured on DeepSeek V3's template
+#: (`bench.conversation_cpu`): 4 gave 1.04-1.07x CPU per turn over 2, while a wider step on
+#: scheme 0 lost on Qwen3, whose renders cost ~5 us a message.
+STATE_STEP = 4
 WIDER = 3  # windows tried per step: the usual one, then one and two messages wider
 
 Render = Callable[[list[dict], bool], str]  # (messages, add_generation_prompt) -> text
@@ -137,7 +143,8 @@ def window(old: Sequence[dict], wider: int = 0, roles: Mapping[str, Sequence[int
     with an earlier tool output in the head, the window renders later ones as the full render
     does).  The probe decides per kind and scheme whether that is enough (`Locality`)."""
     n = len(old)
-    c = n - WINDOW - (n - WINDOW) % STEP - wider
+    step = STATE_STEP if scheme == 1 else STEP
+    c = n - WINDOW - (n - WINDOW) % step - wider
     if c <= 1:
         return [], list(old)
     head = [old[0]]
@@ -648,8 +655,8 @@ _LOCK = threading.Lock()
 def locality(template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
     """The (shared, lazily probed) `Locality` of `template` with `render_kwargs` and generation
     prompt `gp`: kept in a small LRU keyed by what the verdicts are a function of."""
-    key = hashlib.sha256(json.dumps([template.source, dict(template.special_tokens), gp, WINDOW, STEP, SCHEMES,
-                                     dict(render_kwargs)], sort_keys=True, default=repr).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([template.source, dict(template.special_tokens), gp, WINDOW, STEP, STATE_STEP,
+                                     SCHEMES, dict(render_kwargs)], sort_keys=True, default=repr).encode()).hexdigest()
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
