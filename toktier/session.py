@@ -209,13 +209,15 @@ class Session:
             if tok.family_info.name == "o200k":
                 case_table_of(tok)
         n = staged.num_ids
-        # room for the next ops' tokens and text, as a restore leaves (`_prime`): the first append
-        # after a 4M-character start copied both buffers (1.4 ms) to grow them
-        self._ids.reserve(n + PRIME_HEADROOM)
-        self._starts.reserve_for(n + PRIME_HEADROOM)
+        # A large start gets room for the next ops' tokens and text, as a restore does (`_prime`):
+        # the first append after a 4M-character start copied both buffers (1.4 ms) to grow them.
+        # A small one (a conversation's new tail segment, every generated turn) gets none: it
+        # would hold 16 KiB idle for good once the segment freezes.
+        big = staged.num_bytes >= PRIME_SPARE_TEXT
+        self._ids.reserve(n + PRIME_HEADROOM * big)
+        self._starts.reserve_for(n + PRIME_HEADROOM * big)
         cp_buf, _ = self._starts.raw()
-        spare = 8 * PRIME_HEADROOM if staged.num_bytes >= PRIME_SPARE_TEXT else 0
-        data = staged.write(self._ids.buffer, cp_buf, STRIDE, spare)
+        data = staged.write(self._ids.buffer, cp_buf, STRIDE, 8 * PRIME_HEADROOM * big)
         if data is None:  # an id outside the length table (never from a built engine)
             return False
         self._ids.n = n
