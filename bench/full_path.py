@@ -4,9 +4,12 @@ For each tokenizer and size (100K, 1M, 4M chars of real text), in one process:
 
 * reference: one `encode` call of the reference engine (HF `tokenizers` / tiktoken);
 * toktier-parallel: `toktier.fullpath.encode_full` (chunks cut at standalone-stable
-  boundaries, encoded with the engine's GIL-releasing batch API);
+  boundaries, one thread per core in the native engine);
+* toktier-session: `Session(tok, text)`, what a session start costs (the chunk threads also lay
+  the IDs, the UTF-8 and the checkpoints out in the session's buffers);
 * fastokens, gigatoken: the first encode on a fresh tokenizer object (cold caches;
-  construction not timed), when installed and the tokenizer is a tokenizer.json.
+  construction not timed) on their array paths, when installed and the tokenizer is a
+  tokenizer.json.
 
 Prints the median of `--reps` runs, the ratio to the single reference encode, and
 whether each output equals the reference (a peer's mismatch is reported, not hidden).
@@ -24,38 +27,26 @@ import time
 
 import numpy as np
 
-from toktier import load_tokenizer
+from toktier import Session, load_tokenizer
 from toktier.tools.corpus import large_text
 from toktier.fullpath import encode_full
 
 
 def _peers(tok):
+    """Fresh-object makers of the peers on their fastest array paths (`bench.peers`' own factories:
+    fastokens' ``encode_batch_flat`` -> numpy, gigatoken's ``encode`` ndarray), when installed and
+    able to load this tokenizer's file; each rep times a new object's first encode."""
+    from bench.peers import fastokens_factory, gigatoken_factory
+
     out = {}
-    path = getattr(tok.engine, "path", None)
-    if path is None:
-        return out
-    try:
-        import fastokens
-
-        def fastokens_cold(_p=path):
-            t = fastokens.Tokenizer.from_file(_p)  # a fresh object: no cache holds this text
-            return lambda text: np.asarray(t.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
-
-        out["fastokens"] = fastokens_cold
-    except ImportError:
-        pass
-    try:
-        import gigatoken
-
-        raw = open(path, encoding="utf-8").read()
-
-        def gigatoken_cold(_raw=raw):
-            t = gigatoken.Tokenizer.from_json(_raw)
-            return lambda text: np.asarray(t.encode(text), dtype=np.uint32)
-
-        out["gigatoken"] = gigatoken_cold
-    except ImportError:
-        pass
+    for label, factory in (("fastokens", fastokens_factory), ("gigatoken", gigatoken_factory)):
+        try:
+            make = factory(tok)
+            make()("warm up")
+        except Exception as exc:  # not installed, or not this kind of file: reported, not fatal
+            print(f"  ({label} unavailable for {tok.name}: {type(exc).__name__})")
+            continue
+        out[label] = make
     return out
 
 
@@ -87,7 +78,8 @@ def main(argv=None) -> int:
     ok = True
     for name in args.tokenizers.split(","):
         tok = load_tokenizer(name)
-        engines = {"reference": tok.encode, "toktier-parallel": lambda t, _tok=tok: encode_full(_tok, t)}
+        engines = {"reference": tok.encode, "toktier-parallel": lambda t, _tok=tok: encode_full(_tok, t),
+                   "toktier-session": lambda t, _tok=tok: Session(_tok, t).ids}
         peers = _peers(tok)
         for size in map(int, args.sizes.split(",")):
             text = large_text(size, seed=7, kind=args.kind)
