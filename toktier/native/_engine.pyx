@@ -127,6 +127,41 @@ cdef object _i64(const int64_t* p, size_t n):
     return out
 
 
+cdef int _chunk_args(cuts, list caches, int64_t n, vector[int64_t]& cv, vector[PieceCache*]& cc) except -1:
+    """`cuts` (ascending, strictly inside a text of n characters) and one piece cache per chunk,
+    checked and copied for `Engine::encode_chunks`."""
+    cdef int64_t prev = 0
+    cdef PieceCacheBox box
+    for c in cuts:
+        if not prev < c < n:
+            raise ValueError("cuts must be ascending offsets strictly inside the text")
+        cv.push_back(c)
+        prev = c
+    if len(caches) != cv.size() + 1:
+        raise ValueError("one piece cache per chunk")
+    for box in caches:
+        cc.push_back(box.c)
+    return 0
+
+
+cdef int _encode_chunks(Engine* e, str text, const vector[int64_t]& cv, const vector[PieceCache*]& cc,
+                        cbool want_starts, vector[Output]& outs, vector[int64_t]& nbytes) except? -1:
+    """`Engine::encode_chunks` over `text`'s own code points (its PEP 393 width), without the GIL."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void* data = PyUnicode_DATA(text)
+    cdef int64_t n = PyUnicode_GET_LENGTH(text)
+    cdef cbool ascii = PyUnicode_IS_ASCII(text) != 0
+    cdef int status
+    with nogil:
+        if kind == 1:
+            status = e.encode_chunks[uint8_t](<const uint8_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes)
+        elif kind == 2:
+            status = e.encode_chunks[uint16_t](<const uint16_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes)
+        else:
+            status = e.encode_chunks[uint32_t](<const uint32_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes)
+    return status
+
+
 cdef extern from "Python.h":
     object PyByteArray_FromStringAndSize(const char* s, Py_ssize_t n)
     char* PyByteArray_AS_STRING(object)
@@ -159,6 +194,8 @@ cdef class StagedStart:
         appends grow into without a copy when `spare` is under half of it), or None when an id
         lies outside the length table (the caller takes the general path).  Once only: the chunk
         outputs are freed after."""
+        if self.engine is None:  # made directly, not by `CoreEngine.start_chunks`: nothing to write
+            raise TypeError("a StagedStart comes from CoreEngine.start_chunks")
         if self.written:
             raise RuntimeError("StagedStart.write: already written")
         if <size_t>ids.shape[0] < self.num_ids:
@@ -311,34 +348,11 @@ cdef class CoreEngine:
             return SURROGATE, None, None
         cdef int64_t n = PyUnicode_GET_LENGTH(text)
         cdef vector[int64_t] cv
-        cdef int64_t prev = 0
-        for c in cuts:
-            if not prev < c < n:
-                raise ValueError("cuts must be ascending offsets strictly inside the text")
-            cv.push_back(c)
-            prev = c
-        if len(caches) != cv.size() + 1:
-            raise ValueError("one piece cache per chunk")
         cdef vector[PieceCache*] cv_caches
-        cdef PieceCacheBox box
-        for box in caches:
-            cv_caches.push_back(box.c)
+        _chunk_args(cuts, caches, n, cv, cv_caches)
         cdef vector[Output] outs
         cdef vector[int64_t] nbytes
-        cdef int kind = PyUnicode_KIND(text)
-        cdef void* data = PyUnicode_DATA(text)
-        cdef cbool ascii = PyUnicode_IS_ASCII(text) != 0
-        cdef int status
-        with nogil:
-            if kind == 1:
-                status = self.e.encode_chunks[uint8_t](<const uint8_t*>data, n, ascii, cv, cv_caches, want_starts,
-                                                       outs, nbytes)
-            elif kind == 2:
-                status = self.e.encode_chunks[uint16_t](<const uint16_t*>data, n, ascii, cv, cv_caches, want_starts,
-                                                        outs, nbytes)
-            else:
-                status = self.e.encode_chunks[uint32_t](<const uint32_t*>data, n, ascii, cv, cv_caches, want_starts,
-                                                        outs, nbytes)
+        cdef int status = _encode_chunks(self.e, text, cv, cv_caches, want_starts, outs, nbytes)
         if status != 0:
             return status, None, None
         cdef size_t total = 0, i, j, at = 0
@@ -369,18 +383,8 @@ cdef class CoreEngine:
             return SURROGATE, None
         cdef StagedStart st = StagedStart.__new__(StagedStart)
         cdef int64_t n = PyUnicode_GET_LENGTH(text)
-        cdef int64_t prev = 0
-        for c in cuts:
-            if not prev < c < n:
-                raise ValueError("cuts must be ascending offsets strictly inside the text")
-            st.cuts.push_back(c)
-            prev = c
-        if len(caches) != st.cuts.size() + 1:
-            raise ValueError("one piece cache per chunk")
         cdef vector[PieceCache*] cv_caches
-        cdef PieceCacheBox box
-        for box in caches:
-            cv_caches.push_back(box.c)
+        _chunk_args(cuts, caches, n, st.cuts, cv_caches)
         lens = np.ascontiguousarray(token_len, dtype=np.uint32)
         if len(lens) == 0:
             raise ValueError("token_len must not be empty")
@@ -401,18 +405,7 @@ cdef class CoreEngine:
         st.n = n
         st.kind = PyUnicode_KIND(text)
         st.ascii = PyUnicode_IS_ASCII(text) != 0
-        cdef void* data = PyUnicode_DATA(text)
-        cdef int status
-        with nogil:
-            if st.kind == 1:
-                status = self.e.encode_chunks[uint8_t](<const uint8_t*>data, n, st.ascii, st.cuts, cv_caches, False,
-                                                       st.outs, st.nbytes)
-            elif st.kind == 2:
-                status = self.e.encode_chunks[uint16_t](<const uint16_t*>data, n, st.ascii, st.cuts, cv_caches, False,
-                                                        st.outs, st.nbytes)
-            else:
-                status = self.e.encode_chunks[uint32_t](<const uint32_t*>data, n, st.ascii, st.cuts, cv_caches, False,
-                                                        st.outs, st.nbytes)
+        cdef int status = _encode_chunks(self.e, text, st.cuts, cv_caches, False, st.outs, st.nbytes)
         if status != 0:
             return status, None
         cdef size_t i
