@@ -204,6 +204,70 @@ def test_every_code_point_in_context_splits_as_regex(rules):
         assert _spans(starts, len(text)) == regex_pieces(pat, text), f"code points from U+{int(cps[lo]):04X}"
 
 
+def _sparse_non_ascii_texts(latin1: bool) -> list[str]:
+    """ASCII of every class the block scanner tells apart, with one non-ASCII character after
+    every 16 or more ASCII ones (at varying offsets of a 64-character word), so that views hold both:
+    each code point up to U+02FF, then every 13th up to U+FFFF and the 16-bit edges the
+    comparison classifier's narrowing must keep non-ASCII (U+7FFF/U+8000/U+FFFF...).
+    `latin1`: only U+0080..U+00FF, so the str is 1-byte and not ASCII."""
+    if latin1:
+        cps = list(range(0x80, 0x100))
+    else:
+        cps = [*range(0x80, 0x300), *range(0x300, 0x10000, 13), 0x7FFF, 0x8000, 0x80FF, 0xFF00, 0xFFFD, 0xFFFF]
+        cps = [c for c in cps if not 0xD800 <= c <= 0xDFFF]
+    filler = ["it's ", "We'LL ", "abc", " 1234567 ", "x\r\n", "  \t\n", "!!", " ?", "'", "Z9", "\x0b\x0c", "\x1c"]
+    texts, parts = [], []
+    for k, c in enumerate(cps):
+        # 16+ ASCII characters before each one: the block scanner's views start only there
+        parts.append("".join(filler[(k * 7 + j * 5) % len(filler)] for j in range(4 + k % 4)) + chr(c))
+        if len(parts) == 400:
+            texts.append("".join(parts))
+            parts = []
+    texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.parametrize("latin1", [False, True], ids=["ucs2", "latin1"])
+def test_block_classifier_by_comparisons_agrees_around_non_ascii(latin1, tally):
+    # The block scanner's comparison classifier (`Engine::simd_bits`) serves these three
+    # families; its narrowing of 16-bit characters to bytes must keep every non-ASCII one.
+    texts = _sparse_non_ascii_texts(latin1)
+    assert all(max(map(ord, t)) < 0x100 for t in texts) == latin1
+    for name in ("llama3", "qwen3"):
+        tok = get_tokenizer(name)
+        assert tok.native._core.block_classifier == "compare"
+        for text in texts:
+            check_hf_pieces(tok, _stable(tok, text), tally)
+            check_ids(tok, text, tally)
+    tok = get_tokenizer("cl100k_base")
+    assert tok.native._core.block_classifier == "compare"
+    for text in texts:
+        check_ids(tok, text, tally)
+    for rules in ("cl100k_hf", "cl100k_tt", "qwen"):
+        eng = _regex_engine(rules)
+        assert eng.block_classifier == "compare"
+        for text in texts:
+            starts, _ = eng.pieces(text)
+            assert _spans(starts, len(text)) == regex_pieces(REGEX_RULES[rules], text), rules
+
+
+def test_block_classifier_keeps_the_table_when_comparisons_would_differ():
+    # A class table whose ASCII classes the comparisons do not reproduce (U+001C as
+    # whitespace, as Python's str.isspace has it) keeps the per-character table read.
+    from toktier.charclass import W
+
+    tok = get_tokenizer("cl100k_base")
+    bt = bpe_tables(tok)
+    table = regex_table().copy()
+    table[0x1C] |= W
+    eng = _core.CoreEngine("cl100k_hf", table, bt.byte_to_id, bt.pair_keys, bt.pair_rank, bt.pair_merged,
+                           bt.pair_bits, bt.vocab_keys, bt.vocab_ids, bt.vocab_bits, bt.tok_off, bt.tok_blob,
+                           bt.max_piece_lookup, bt.whole_piece_lookup, False, [], [])
+    assert eng.block_scanner == (True, "")
+    assert eng.block_classifier == "table"
+    assert _regex_engine("cl100k_hf").block_classifier == "compare"
+
+
 # -- IDs -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)

@@ -66,6 +66,7 @@ cdef extern from "engine.hpp" namespace "ttn":
         Trie lit1, lit2
         cbool nfc
         cbool block_cl
+        cbool simd_classify
         const char* block_reason
         void build_block()
         int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
@@ -418,6 +419,15 @@ cdef class CoreEngine:
     def block_scanner(self):
         """(on, reason it is off or ""): whether the block scanner (`Engine::pretok_block`) serves."""
         return bool(self.e.block_cl), self.e.block_reason.decode()
+
+    @property
+    def block_classifier(self):
+        """"compare" when the block scanner classifies 1- and 2-byte characters by byte comparisons
+        (`Engine::simd_bits`, proven equal to the class table over U+0000..U+00FF at load), "table"
+        when it reads the table per character, "" when the block scanner is off."""
+        if not self.e.block_cl:
+            return ""
+        return "compare" if self.e.simd_classify else "table"
 
     def use_block_scanner(self, bint on):
         """Switch the block scanner off, or back on where `build_block` allows it (tests and A/B

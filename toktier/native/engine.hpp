@@ -681,8 +681,8 @@ class Engine {
   };
 
   void encode_pieces(const uint8_t* buf, const PieceBatch& pcs,
-                     std::vector<uint64_t>& hs, PieceCache& cache, std::vector<uint32_t>& out,
-                     std::vector<uint32_t>* first_tok) const {
+                     std::vector<uint64_t>& hs, std::vector<uint32_t>& scratch, PieceCache& cache,
+                     std::vector<uint32_t>& out, std::vector<uint32_t>* first_tok) const {
     hs.resize(pcs.size());
     size_t room = 0;
     for (size_t i = 0; i < pcs.size(); ++i) {
@@ -694,11 +694,12 @@ class Engine {
         else cache.prefetch(hs[i]);
       }
     }
-    // Ids are written through a pointer (at most one per byte), the vector trimmed after: a
-    // push_back per token was an out-of-line call.
+    // Ids are written through a pointer (at most one per byte) into `scratch`, then appended: a
+    // push_back per token was an out-of-line call, and growing `out` by `room` first zero-filled
+    // four bytes per text byte (a memset ~6% of an encode) for ~4 bytes per token kept.
     const size_t base = out.size();
-    out.resize(base + room);
-    uint32_t* const w0 = out.data() + base;
+    if (scratch.size() < room) scratch.resize(std::max(room, 2 * scratch.size()));
+    uint32_t* const w0 = scratch.data();
     uint32_t* w = w0;
     const bool short_ok = t.whole_piece_lookup && !short_vocab.empty();
     const uint32_t short_lim = std::min<uint32_t>(SHORT_MAX, uint32_t(std::max(t.max_piece_lookup, 0)));
@@ -737,7 +738,7 @@ class Engine {
       }
       w += bpe_hashed(p, n, hs[i], cache, w, looked_up);
     }
-    out.resize(base + size_t(w - w0));
+    out.insert(out.end(), w0, w);
   }
 
   // tiktoken's loop: the leftmost lowest-rank pair, merged one at a time (O(n^2), small n).
@@ -976,6 +977,30 @@ class Engine {
     bcode[128] = 1 << B_HI;
     block_cl = true;
     block_reason = "";
+    simd_classify = BLOCK_BUILT && simd_codes_match();
+  }
+
+  // `classify` by byte comparisons (`simd_bits`) instead of a table read per character, only
+  // where they give exactly `bcode` for every code point below 256 (checked here, at load;
+  // wider characters saturate to 255 first, which is non-ASCII like them).
+  bool simd_classify = false;
+  bool simd_codes_match() const {
+#if defined(__SSE2__) && defined(__SIZEOF_INT128__)
+    for (uint32_t c0 = 0; c0 < 256; c0 += 16) {
+      alignas(16) uint8_t lane[16];
+      for (uint32_t j = 0; j < 16; ++j) lane[j] = uint8_t(c0 + j);
+      uint16_t got[B_COUNT];
+      simd_bits(_mm_load_si128(reinterpret_cast<const __m128i*>(lane)), got);
+      for (uint32_t j = 0; j < 16; ++j) {
+        uint8_t code = 0;
+        for (int b = 0; b < B_COUNT; ++b) code |= uint8_t(((got[b] >> j) & 1) << b);
+        if (code != bcode[std::min<uint32_t>(c0 + j, 128)]) return false;
+      }
+    }
+    return true;
+#else
+    return false;
+#endif
   }
 
 #if defined(__SSE2__) && defined(__SIZEOF_INT128__)
@@ -984,9 +1009,57 @@ class Engine {
   static constexpr int CHUNK_WORDS = int(CHUNK / 64) + 3;  // + the words a view reads past the end
   struct ClassBits { uint64_t w[B_COUNT][CHUNK_WORDS]; };
 
+  // The class bits of 16 byte-sized characters (one bit per character in each got[b]).
+  static inline void simd_bits(__m128i x, uint16_t* got) {
+    const __m128i zero = _mm_setzero_si128();
+    auto in_range = [&](__m128i v, char lo, char span) {  // lo <= v <= lo + span, unsigned
+      return _mm_cmpeq_epi8(_mm_subs_epu8(_mm_sub_epi8(v, _mm_set1_epi8(lo)), _mm_set1_epi8(span)), zero);
+    };
+    auto eq = [&](char c) { return _mm_cmpeq_epi8(x, _mm_set1_epi8(c)); };
+    const __m128i letter = in_range(_mm_or_si128(x, _mm_set1_epi8(0x20)), 'a', 25);
+    const __m128i digit = in_range(x, '0', 9);
+    const __m128i space = eq(' ');
+    const __m128i ws = _mm_or_si128(space, in_range(x, '\t', 4));
+    const __m128i r = _mm_or_si128(eq('\r'), eq('\n'));
+    got[B_L] = uint16_t(_mm_movemask_epi8(letter));
+    got[B_N] = uint16_t(_mm_movemask_epi8(digit));
+    got[B_W] = uint16_t(_mm_movemask_epi8(ws));
+    got[B_R] = uint16_t(_mm_movemask_epi8(r));
+    got[B_SP] = uint16_t(_mm_movemask_epi8(space));
+    got[B_AP] = uint16_t(_mm_movemask_epi8(eq('\'')));
+    got[B_HI] = uint16_t(_mm_movemask_epi8(x));  // the top bit: 128 and up
+  }
+
+  // 16 characters from p as bytes, wider ones saturated to 255 (only where 16 remain)
+  template <class T>
+  static inline __m128i narrow16(const T* p) {
+    if (sizeof(T) == 1) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+    // packus reads signed 16-bit lanes: a character >= 0x8000 would become 0, so fold those
+    // to 0x7FFF first (any value >= 128 only has to stay >= 128)
+    const __m128i top = _mm_set1_epi16(0x7FFF);
+    auto clamp = [&](__m128i v) {
+      const __m128i neg = _mm_srai_epi16(v, 15);
+      return _mm_or_si128(_mm_andnot_si128(neg, v), _mm_and_si128(neg, top));
+    };
+    return _mm_packus_epi16(clamp(a), clamp(b));
+  }
+
   template <class T>
   void classify(const T* s, int64_t from, int64_t len, ClassBits& cb) const {  // len <= CHUNK
     int64_t k = 0;
+    if (sizeof(T) <= 2 && simd_classify) {
+      for (; k + 64 <= len; k += 64) {
+        uint64_t word[B_COUNT] = {};
+        for (int q = 0; q < 4; ++q) {
+          uint16_t got[B_COUNT];
+          simd_bits(narrow16(s + from + k + 16 * q), got);
+          for (int b = 0; b < B_COUNT; ++b) word[b] |= uint64_t(got[b]) << (16 * q);
+        }
+        for (int b = 0; b < B_COUNT; ++b) cb.w[b][k / 64] = word[b];
+      }
+    }
     for (; k < len; k += 64) {
       alignas(16) uint8_t code[64];
       const int64_t m = std::min<int64_t>(64, len - k);
@@ -1246,6 +1319,7 @@ class Engine {
     size_t pcap = 4096;
     PieceBatch batch;  // (byte offset in the segment buffer, length)
     std::vector<uint64_t> hs;
+    std::vector<uint32_t> id_scratch;
     std::vector<uint32_t> first_tok;
     int64_t text_byte = 0;  // UTF-8 offset of character `text_char` in the whole text
     int64_t text_char = 0;
@@ -1261,7 +1335,7 @@ class Engine {
     auto flush = [&](const uint8_t* buf, int64_t base) {  // base: buf[0]'s byte offset in the text
       if (batch.empty()) return;
       first_tok.clear();
-      encode_pieces(buf, batch, hs, cache, out.ids, out.want_starts ? &first_tok : nullptr);
+      encode_pieces(buf, batch, hs, id_scratch, cache, out.ids, out.want_starts ? &first_tok : nullptr);
       if (out.want_starts) {
         first_tok.push_back(uint32_t(out.ids.size()));
         for (size_t i = 0; i < batch.size(); ++i) {
