@@ -204,17 +204,20 @@ def test_every_code_point_in_context_splits_as_regex(rules):
         assert _spans(starts, len(text)) == regex_pieces(pat, text), f"code points from U+{int(cps[lo]):04X}"
 
 
-def _sparse_non_ascii_texts(latin1: bool) -> list[str]:
+def _sparse_non_ascii_texts(width: str) -> list[str]:
     """ASCII of every class the block scanner tells apart, with one non-ASCII character after
-    every 16 or more ASCII ones (at varying offsets of a 64-character word), so that views hold both:
-    each code point up to U+02FF, then every 13th up to U+FFFF and the 16-bit edges the
-    comparison classifier's narrowing must keep non-ASCII (U+7FFF/U+8000/U+FFFF...).
-    `latin1`: only U+0080..U+00FF, so the str is 1-byte and not ASCII."""
-    if latin1:
-        cps = list(range(0x80, 0x100))
-    else:
+    every 16 or more ASCII ones (at varying offsets of a 64-character word), so that views hold
+    both. `width` "latin1": U+0080..U+00FF only (a 1-byte str that is not ASCII); "ucs2": each
+    code point up to U+02FF, then every 13th up to U+FFFF and the 16-bit edges the comparison
+    classifier's narrowing must keep non-ASCII (U+7FFF/U+8000/U+FFFF...); "ucs4": those and
+    astral ones (every 4,099th, U+10000 and U+10FFFF), so every text is a 4-byte str."""
+    cps = list(range(0x80, 0x100))
+    if width != "latin1":
         cps = [*range(0x80, 0x300), *range(0x300, 0x10000, 13), 0x7FFF, 0x8000, 0x80FF, 0xFF00, 0xFFFD, 0xFFFF]
         cps = [c for c in cps if not 0xD800 <= c <= 0xDFFF]
+    if width == "ucs4":
+        astral = [*range(0x10000, 0x110000, 4099), 0x10FFFF, 0x1F600, 0x20000]
+        cps = [c for pair in zip(cps, astral * (len(cps) // len(astral) + 1)) for c in pair]
     filler = ["it's ", "We'LL ", "abc", " 1234567 ", "x\r\n", "  \t\n", "!!", " ?", "'", "Z9", "\x0b\x0c", "\x1c"]
     texts, parts = [], []
     for k, c in enumerate(cps):
@@ -227,12 +230,16 @@ def _sparse_non_ascii_texts(latin1: bool) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("latin1", [False, True], ids=["ucs2", "latin1"])
-def test_block_classifier_by_comparisons_agrees_around_non_ascii(latin1, tally):
+WIDTH_FLOOR = {"latin1": 0x80, "ucs2": 0x100, "ucs4": 0x10000}  # each text's widest character
+WIDTH_LIMIT = {"latin1": 0x100, "ucs2": 0x10000, "ucs4": 0x110000}
+
+
+@pytest.mark.parametrize("width", sorted(WIDTH_LIMIT))
+def test_block_classifier_by_comparisons_agrees_around_non_ascii(width, tally):
     # The block scanner's comparison classifier (`Engine::simd_bits`) serves these three
-    # families; its narrowing of 16-bit characters to bytes must keep every non-ASCII one.
-    texts = _sparse_non_ascii_texts(latin1)
-    assert all(max(map(ord, t)) < 0x100 for t in texts) == latin1
+    # families; its narrowing of 16- and 32-bit characters to bytes must keep every non-ASCII one.
+    texts = _sparse_non_ascii_texts(width)
+    assert all(WIDTH_FLOOR[width] <= max(map(ord, t)) < WIDTH_LIMIT[width] for t in texts)
     for name in ("llama3", "qwen3"):
         tok = get_tokenizer(name)
         assert tok.native._core.block_classifier == "compare"

@@ -982,7 +982,7 @@ class Engine {
 
   // `classify` by byte comparisons (`simd_bits`) instead of a table read per character, only
   // where they give exactly `bcode` for every code point below 256 (checked here, at load;
-  // wider characters saturate to 255 first, which is non-ASCII like them).
+  // wider characters, of any str width, saturate to 255 first, which is non-ASCII like them).
   bool simd_classify = false;
   bool simd_codes_match() const {
 #if defined(__SSE2__) && defined(__SIZEOF_INT128__)
@@ -1034,6 +1034,10 @@ class Engine {
   template <class T>
   static inline __m128i narrow16(const T* p) {
     if (sizeof(T) == 1) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (sizeof(T) == 4) {  // code points are below 2^31: signed saturation keeps >= 128 at >= 128
+      auto at = [&](int q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * q)); };
+      return _mm_packus_epi16(_mm_packs_epi32(at(0), at(1)), _mm_packs_epi32(at(2), at(3)));
+    }
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
     // packus reads signed 16-bit lanes: a character >= 0x8000 would become 0, so fold those
@@ -1049,7 +1053,7 @@ class Engine {
   template <class T>
   void classify(const T* s, int64_t from, int64_t len, ClassBits& cb) const {  // len <= CHUNK
     int64_t k = 0;
-    if (sizeof(T) <= 2 && simd_classify) {
+    if (simd_classify) {
       for (; k + 64 <= len; k += 64) {
         uint64_t word[B_COUNT] = {};
         for (int q = 0; q < 4; ++q) {
