@@ -422,9 +422,10 @@ cdef class CoreEngine:
 
     @property
     def block_classifier(self):
-        """"compare" when the block scanner classifies 1- and 2-byte characters by byte comparisons
-        (`Engine::simd_bits`, proven equal to the class table over U+0000..U+00FF at load), "table"
-        when it reads the table per character, "" when the block scanner is off."""
+        """"compare" when the block scanner classifies characters (of any str width, wide ones
+        saturated to bytes) by byte comparisons (`Engine::simd_bits`, proven equal to the class
+        table over U+0000..U+00FF at load), "table" when it reads the table per character, ""
+        when the block scanner is off."""
         if not self.e.block_cl:
             return ""
         return "compare" if self.e.simd_classify else "table"
