@@ -258,6 +258,35 @@ def test_block_classifier_by_comparisons_agrees_around_non_ascii(width, tally):
             assert _spans(starts, len(text)) == regex_pieces(REGEX_RULES[rules], text), rules
 
 
+def _window_edge_texts(width: str) -> list[str]:
+    """Long non-ASCII 1-byte, 2- or 4-byte strs: non-ASCII characters at and around every
+    multiple of 8192 (where a windowed UTF-8 conversion would cut), pieces longer than 8K
+    characters, literals between segments and a dense non-ASCII stretch."""
+    wide = {"latin1": "\xe9\xa0", "ucs2": "\u00e9\u4e2d\u0100", "ucs4": "\u00e9\u4e2d\U0001F600"}[width]
+    chars = list(large_text(41_000, seed=41, kind="code").encode("ascii", "ignore").decode())
+    for edge in range(8192, len(chars), 8192):
+        for d in (-17, -16, -3, -1, 0, 1, 2, 15, 16):
+            chars[edge + d] = wide[(edge + d) % len(wide)]
+    text = "".join(chars)
+    parts = [text[:12_000], "x" * 9_000, " " * 10_000, text[12_000:20_000], "<|begin_of_text|>",
+             wide * 3_000, "<|endoftext|>", text[20_000:], wide[-1]]
+    return ["".join(parts), wide[-1] + "y" * 20_000 + wide[0], text]
+
+
+@pytest.mark.parametrize("width", sorted(WIDTH_LIMIT))
+def test_long_non_ascii_strs_give_exact_ids_and_offsets(width, tally):
+    # A converted str's pieces are re-encoded to UTF-8 by the engine: every id and every token's
+    # byte offset must be exact across long pieces, literals and runs of mixed UTF-8 lengths
+    # (a windowed conversion tried for issue 14 and not kept had two such bugs; see RESULTS).
+    texts = _window_edge_texts(width)
+    assert all(WIDTH_FLOOR[width] <= max(map(ord, t)) < WIDTH_LIMIT[width] for t in texts)
+    served = [get_tokenizer(name) for name in ALL_TOKENIZERS if get_tokenizer(name).native is not None]
+    assert len(served) >= 4, "the bundled families the native engine certifies"
+    for tok in served:
+        for text in texts:
+            check_ids(tok, _stable(tok, text), tally)
+
+
 def test_block_classifier_keeps_the_table_when_comparisons_would_differ():
     # A class table whose ASCII classes the comparisons do not reproduce (U+001C as
     # whitespace, as Python's str.isspace has it) keeps the per-character table read.
@@ -566,6 +595,23 @@ def test_lone_surrogates_get_the_references_typed_error(name, text):
         tok.encode_fast(text)
     with pytest.raises(toktier.InvalidText):
         toktier.Session(tok, "ok").append(text)
+
+
+@pytest.mark.parametrize("wide", ["\u0100", "\U0001F600"])
+@pytest.mark.parametrize("at", [0, 255, 256, 300, 511, 767, 1023, 1024, 1098])
+def test_a_lone_surrogate_anywhere_in_a_long_str_is_refused(wide, at):
+    # The native surrogate scan works in blocks of 256 characters plus a tail: a surrogate in
+    # any block, at a block's edge or in the tail, in a 2- or 4-byte str, must be seen.
+    tok = get_tokenizer("llama3")
+    chars = list(("hello world " * 100)[:1099] + wide)  # 4 blocks and a tail of 76
+    chars[at] = "\udc80"
+    text = "".join(chars)
+    with pytest.raises(toktier.ReferenceEngineError):
+        tok.engine.encode_fast(text)
+    with pytest.raises(toktier.ReferenceEngineError):
+        tok.encode_fast(text)
+    chars[at] = "x"  # the same str without it encodes, and exactly
+    assert np.array_equal(tok.encode_fast("".join(chars)), tok.engine.encode_fast("".join(chars)))
 
 
 def test_lane_rejects_encoded_surrogates_and_truncated_utf8():

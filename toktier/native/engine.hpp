@@ -1288,6 +1288,24 @@ class Engine {
     }
   }
 
+  // Whether s[0, n) holds a surrogate code point (U+D800..U+DFFF).  Blocks of 256 characters are
+  // OR-reduced without an early exit so the compiler vectorizes them: the scalar loop with a
+  // return per character cost ~7 instructions a character, 13% of a 2-byte str's encode.
+  template <class T>
+  static bool has_surrogate(const T* s, int64_t n) {
+    if (sizeof(T) == 1) return false;  // (the masks below would truncate to 0)
+    const T mask = T(sizeof(T) == 2 ? 0xF800u : 0xFFFFF800u), sur = T(0xD800u);
+    int64_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+      T bad = 0;
+      for (int k = 0; k < 256; ++k) bad |= T((s[i + k] & mask) == sur);
+      if (bad) return true;
+    }
+    for (; i < n; ++i)
+      if ((s[i] & mask) == sur) return true;
+    return false;
+  }
+
   // -- whole texts -------------------------------------------------------------------------------
   // Encode the code points s[0, n) (a str's PEP 393 data: T = uint8_t, uint16_t or uint32_t).
   // `u8`/`at` (optional, with T = uint32_t): the text's UTF-8 and each character's byte offset in
@@ -1296,10 +1314,7 @@ class Engine {
   template <class T>
   int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out,
              const uint8_t* u8 = nullptr, const int64_t* at = nullptr) const {
-    if (sizeof(T) > 1 && !ascii) {  // a lone surrogate has no UTF-8: the references raise on it
-      for (int64_t i = 0; i < n; ++i)
-        if ((uint32_t(s[i]) & 0xFFFFF800u) == 0xD800u) return SURROGATE;
-    }
+    if (sizeof(T) > 1 && !ascii && has_surrogate(s, n)) return SURROGATE;  // no UTF-8: the references raise
     if (check_nfc && nfc && !ascii) {
       for (int64_t i = 0; i < n; ++i)
         if (s[i] >= 0x80 && !(cls(s[i]) & NFC_INERT)) return NEEDS_NFC;
