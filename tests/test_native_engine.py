@@ -543,6 +543,41 @@ def test_a_lane_with_a_wrong_engine_is_caught(tally):
     assert s.stats.lane == 1
 
 
+@pytest.mark.parametrize("flag", ["uncertain", "length"])
+def test_the_lane_declines_a_window_holding_a_flagged_token(flag, tally):
+    # The lane's tiling proof reads each fresh token's length from a one-byte-per-id summary of
+    # the records (`Lane::fast_len`); an id whose record carries a flag (a span the text must
+    # prove, or a canonical length other than its bytes) is left out of it, so a window holding
+    # one goes to the Python path, which proves it from the text.  Mutation check: with the flag
+    # ignored the lane would serve these appends (and for "length", splice wrong offsets).
+    from toktier.charclass import W
+
+    tok = toktier.load_tokenizer("llama3")
+    fam = tok.family_info
+    the = int(tok.encode(" the")[0])
+    args = list(_core_args(tok))
+    token_len, uncertain = args[-2].copy(), args[-1].copy()
+    if flag == "uncertain":
+        uncertain[the] = 1
+    else:
+        token_len[the] += 1
+    args[-2:] = [token_len, uncertain]
+    core = _core.CoreEngine(tok.native.rules, *args)
+    tok.native._lane = _core.RepairLane(core, tok.token_len, tok.table.uncertain.astype(np.uint8),
+                                        fam._group_table(tok.classes), np.asarray(fam._tables()[1], np.uint8),
+                                        tok.max_token_bytes, [lit.content for lit in tok.engine.literals if lit.content],
+                                        tok.classes, W)
+    text = large_text(20_000, seed=3, kind="code").replace("the", "thy")  # no " the" in the first windows
+    s = toktier.Session(tok, text)
+    for delta, served in (("\nx = compute(y)\n", True), ("\ny = x + 1\n", True), (" and the cat\n", False)):
+        lane = s.stats.lane
+        r = s.append(delta)
+        text += delta
+        assert np.array_equal(r.ids, tok.engine.encode(text)), delta
+        assert s.stats.lane == lane + served, (delta, s.stats)
+        tally(tok, "session", 1)
+
+
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)
 @SETTINGS
 @given(data=st.data())

@@ -507,6 +507,7 @@ cdef extern from "repair.hpp" namespace "ttn":
                  const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, const vector[PieceCache*]& more,
                  LaneResult& res) except + nogil
         cbool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) nogil
+        void build_fast_len()
 
 
 LANE_STATUS = {0: "ok", 1: "no certified cut in the first window", 2: "one-byte run before the change",
@@ -569,6 +570,7 @@ cdef class RepairLane:
             bs = np.frombuffer(raw, dtype=np.uint8).astype(np.uint32)
             self.lane.lit_bytes.add(&bs[0], len(bs), 1)
         self.lane.t.max_literal = longest
+        self.lane.build_fast_len()
 
     def edit(self, text, int64_t s, int64_t e, bytes data, ids, checkpoints, int64_t stride, int64_t wl,
              int64_t wr, PieceCacheBox cache):
