@@ -12,7 +12,7 @@ ext = Extension(
     "toktier.native._engine",
     sources=["toktier/native/_engine.pyx"],
     include_dirs=["toktier/native"],
-    depends=["toktier/native/engine.hpp", "toktier/native/repair.hpp"],  # rebuild when a header changes
+    depends=["toktier/native/engine.hpp", "toktier/native/repair.hpp", "toktier/native/workers.hpp"],  # rebuild when a header changes
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing", "-fvisibility=hidden", "-fno-semantic-interposition"],
 )

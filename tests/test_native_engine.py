@@ -399,6 +399,57 @@ def test_threads_share_nothing_mutable():
     assert not errors
 
 
+def _chunk_jobs(tok, n_texts: int = 6):
+    from toktier.fullpath import chunk_cuts
+
+    texts = [large_text(24_000, seed=40 + s, kind=("mixed", "code", "english")[s % 3]) for s in range(n_texts)]
+    return [(t, chunk_cuts(tok, t, 2_000 + 1_000 * (i % 3)), tok.engine.encode(t)) for i, t in enumerate(texts)]
+
+
+def test_chunked_encodes_from_many_threads_share_the_helpers_exactly():
+    # The engine keeps its helper threads between chunked calls (workers.hpp); callers claim
+    # chunks too, so several server threads encoding at once, each with more chunks than there
+    # are helpers, all finish, and each gets its own text's IDs.
+    tok = get_tokenizer("llama3")
+    jobs = _chunk_jobs(tok)
+    assert all(len(cuts) >= 4 for _, cuts, _ in jobs)
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        for r in range(4):
+            for i in range(len(jobs)):
+                text, cuts, want = jobs[(i + k + r) % len(jobs)]
+                got = tok.native.encode_chunks(text, cuts)
+                if got is None or not np.array_equal(got, want):
+                    errors.append(f"thread {k} round {r} text {(i + k + r) % len(jobs)}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_chunked_encodes_work_in_a_forked_child():
+    # A child of fork() has none of its parent's helper threads (and may hold the pool's lock
+    # as the fork found it): the engine makes the child a pool of its own.
+    import os
+
+    tok = get_tokenizer("llama3")
+    jobs = _chunk_jobs(tok, 3)
+    for text, cuts, want in jobs:  # the parent's helpers are running
+        assert np.array_equal(tok.native.encode_chunks(text, cuts), want)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, an exit status only
+        ok = all(np.array_equal(tok.native.encode_chunks(text, cuts), want) for text, cuts, want in jobs * 2)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    for text, cuts, want in jobs:  # the parent's pool is untouched
+        assert np.array_equal(tok.native.encode_chunks(text, cuts), want)
+
+
 def test_verifier_mismatch_demotes_a_wrong_native_engine():
     tok = toktier.load_tokenizer("cl100k_base")
     assert tok.engine_label == "native"

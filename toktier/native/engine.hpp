@@ -17,6 +17,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -32,6 +33,8 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>  // x86-64's baseline: no runtime dispatch needed
 #endif
+
+#include "workers.hpp"
 
 namespace ttn {
 
@@ -374,6 +377,14 @@ struct ChunkSums {
 
 class Engine {
  public:
+  Engine() = default;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  ~Engine() {
+    Workers* w = workers_.load();
+    if (w != nullptr && w->owned_here()) delete w;  // a forked child leaves its parent's pool (workers.hpp)
+  }
+
   Tables t;
   Trie lit1, lit2;  // non-normalized, normalized literals
   bool nfc = false;  // NFC family: text with a non-inert character goes back to Python
@@ -1429,15 +1440,19 @@ class Engine {
   }
 
   // Chunks s[0, c0), s[c0, c1), ... of one text (cuts at standalone-stable boundaries, chosen in
-  // Python: `fullpath.chunk_cuts`), each encoded on its own thread (this one takes the first)
-  // with its own piece cache.  outs[i] holds chunk i's tokens, starts relative to the chunk;
-  // bytes[i] its UTF-8 length.  Returns the first non-OK status of a chunk, or OK.
+  // Python: `fullpath.chunk_cuts`), encoded on this thread and the kept helpers (`run_chunks`),
+  // each with its own piece cache.  outs[i] holds chunk i's tokens, starts relative to the chunk
+  // (when `want_starts`); bytes[i] its UTF-8 length.  Returns the first non-OK status of a chunk, or OK.
   template <class T>
   int encode_chunks(const T* s, int64_t n, bool ascii, const std::vector<int64_t>& cuts,
                     const std::vector<PieceCache*>& caches, bool want_starts, std::vector<Output>& outs,
                     std::vector<int64_t>& bytes, const uint8_t* u8 = nullptr, const int64_t* at = nullptr) const {
     const size_t k = cuts.size() + 1;
-    outs.assign(k, Output());
+    outs.resize(k);  // kept capacity: a caller reusing `outs` spares the page faults
+    for (Output& o : outs) {
+      o.ids.clear();
+      o.starts.clear();
+    }
     bytes.assign(k, 0);
     std::vector<int> status(k, OK);
     std::vector<char> failed(k, 0);
@@ -1476,21 +1491,28 @@ class Engine {
     return OK;
   }
 
-  // work(i) for i in [0, k): one thread each, this one taking i = 0 (and any chunk no thread
-  // could be had for).  `work` must not throw.
+  // work(i) for i in [0, k), on this thread and the engine's kept helper threads
+  // (`Workers::run`).  `work` must not throw.
   template <class F>
-  static void run_chunks(size_t k, F& work) {
-    std::vector<std::thread> threads;
-    threads.reserve(k - 1);
-    for (size_t i = 1; i < k; ++i) {
-      try {
-        threads.emplace_back(std::ref(work), i);
-      } catch (...) {  // no thread to be had (std::system_error): this one does the chunk
-        work(i);
-      }
+  void run_chunks(size_t k, F& work) const {
+    if (k <= 1) {
+      if (k) work(0);
+      return;
     }
-    work(0);
-    for (std::thread& th : threads) th.join();
+    workers().run(k, work);
+  }
+
+  // The helper threads of this engine's chunked encodes (one fewer than the cores), made on the
+  // first chunked call, and made again in a forked child (the parent's are not there).
+  mutable std::atomic<Workers*> workers_{nullptr};
+  Workers& workers() const {
+    Workers* w = workers_.load(std::memory_order_acquire);
+    if (w != nullptr && w->owned_here()) return *w;
+    const unsigned cores = std::thread::hardware_concurrency();
+    Workers* made = new Workers(cores > 1 ? cores - 1 : 1);
+    if (workers_.compare_exchange_strong(w, made, std::memory_order_acq_rel)) return *made;
+    delete made;  // another thread installed one first (this one never started a thread)
+    return *w;
   }
 
   // A session start's second pass over `encode_chunks`' outputs (cuts and the text as given

@@ -46,10 +46,11 @@ struct LaneTables {
   uint8_t w_bit = 0;                     // its whitespace bit: no chunk cut after whitespace
 };
 
-// Windows of at least this many bytes are cut into chunks encoded on several threads (a
-// thread's start costs ~20-50 us; 8 KB of text ~100 us on one core).
-constexpr int64_t PARALLEL_MIN_BYTES = 12 * 1024;
-constexpr int64_t CHUNK_MIN_BYTES = 6 * 1024;
+// Windows of at least this many bytes are cut into chunks encoded on several threads (the
+// engine's kept helpers wake in ~10-20 us; 4 KB of text takes ~50 us on one core). Measured with
+// bench.append_ab: 8K/4K beat 12K/6K by 6-21% at 12K appends; 6K/3K was no better.
+constexpr int64_t PARALLEL_MIN_BYTES = 8 * 1024;
+constexpr int64_t CHUNK_MIN_BYTES = 4 * 1024;
 constexpr int64_t CUT_SEARCH = 2048;  // code points searched after each target for a cut
 
 struct LaneResult {
@@ -146,6 +147,8 @@ struct Scratch {
   CpBuf cps;
   AtBuf at;
   Output out;
+  std::vector<Output> chunk_outs;  // a chunked window's per-chunk tokens (`encode_window`)
+  std::vector<int64_t> chunk_bytes;
   static Scratch& mine() {
     thread_local Scratch s;
     return s;
@@ -171,6 +174,10 @@ struct ScratchTrim {
     trim(s.starts);
     trim(s.out.ids);
     trim(s.out.starts);
+    for (Output& o : s.chunk_outs) {
+      trim(o.ids);
+      trim(o.starts);
+    }
   }
 };
 
@@ -352,7 +359,7 @@ class Lane {
   // Encode the window: on this thread, or in chunks on several (`more`: extra piece caches).
   int encode_window(const std::vector<uint8_t>& win, const CpBuf& cps,
                     const AtBuf& at, bool ascii, PieceCache& cache,
-                    const std::vector<PieceCache*>& more, Output& out) const {
+                    const std::vector<PieceCache*>& more, Scratch& sc, Output& out) const {
     std::vector<int64_t> cuts;
     const int64_t nb = int64_t(win.size());
     if (!more.empty() && nb >= PARALLEL_MIN_BYTES && t.classes)
@@ -363,16 +370,22 @@ class Lane {
                                            at.data());
     std::vector<PieceCache*> caches{&cache};
     caches.insert(caches.end(), more.begin(), more.begin() + int64_t(cuts.size()));
-    std::vector<Output> outs;
-    std::vector<int64_t> nbytes;
-    const int st = ascii ? eng->encode_chunks<uint8_t>(win.data(), nb, true, cuts, caches, true, outs, nbytes)
-                         : eng->encode_chunks<uint32_t>(cps.data(), int64_t(cps.size()), false, cuts, caches, true,
+    std::vector<Output>& outs = sc.chunk_outs;  // reused: their capacity spares page faults
+    std::vector<int64_t>& nbytes = sc.chunk_bytes;
+    // starts only where the caller wants them (the lane makes its own in `tile`)
+    const bool ws = out.want_starts;
+    const int st = ascii ? eng->encode_chunks<uint8_t>(win.data(), nb, true, cuts, caches, ws, outs, nbytes)
+                         : eng->encode_chunks<uint32_t>(cps.data(), int64_t(cps.size()), false, cuts, caches, ws,
                                                         outs, nbytes, win.data(), at.data());
     if (st != OK) return st;
+    size_t total = out.ids.size();
+    for (const Output& o : outs) total += o.ids.size();
+    out.ids.reserve(total);
     int64_t base = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
       out.ids.insert(out.ids.end(), outs[i].ids.begin(), outs[i].ids.end());
-      for (int64_t x : outs[i].starts) out.starts.push_back(x + base);
+      if (ws)
+        for (int64_t x : outs[i].starts) out.starts.push_back(x + base);
       base += nbytes[i];
     }
     return OK;
@@ -429,7 +442,7 @@ class Lane {
     out.ids.clear();
     out.starts.clear();
     out.want_starts = false;  // the pass below makes them, one record read per token
-    if (encode_window(win, cps, at, ascii, cache, more, out) != OK) return res.status = LANE_NFC;
+    if (encode_window(win, cps, at, ascii, cache, more, sc, out) != OK) return res.status = LANE_NFC;
     const std::vector<uint32_t>& fresh = out.ids;
     const int64_t nf = int64_t(fresh.size());
     res.fresh = nf;
