@@ -391,12 +391,17 @@ def test_threads_share_nothing_mutable():
                 if not np.array_equal(tok.native.encode(texts[j]), want[j]):
                     errors.append(f"thread {k} text {j}")
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    _run_threads(work, 4)
+    assert not errors
+
+
+def _run_threads(work, n: int) -> None:
+    """work(k) for k in range(n), each on its own thread, all at once; returns when all are done."""
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors
 
 
 def _chunk_jobs(tok, n_texts: int = 6):
@@ -423,11 +428,7 @@ def test_chunked_encodes_from_many_threads_share_the_helpers_exactly():
                 if got is None or not np.array_equal(got, want):
                     errors.append(f"thread {k} round {r} text {(i + k + r) % len(jobs)}")
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(work, 6)
     assert not errors
 
 
