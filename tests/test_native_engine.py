@@ -365,6 +365,35 @@ def test_bpe_of_long_pieces_agrees(name):
             assert np.array_equal(tok.native.bpe(text.encode()), tok.engine.encode(text)), text[:20]
 
 
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_a_piece_whose_hot_entry_was_just_taken_is_encoded_again(name, tally):
+    # The hot front (engine.hpp, `PieceCache::hot`) is read for a whole batch of pieces before any
+    # of them is encoded; a miss earlier in the batch can then overwrite the entry a later piece
+    # found.  " B A", with A's answer in the entry B's goes to, is exactly that case: A must not
+    # take B's ids.  Single-token words, so a wrong answer is a different id.
+    tok = get_tokenizer(name)
+    words: dict[int, bytes] = {}
+    pair = None
+    for i, b in enumerate(tok.engine.token_bytes):
+        if not (3 <= len(b) <= 12 and b[:1] == b" " and b[1:].isalpha() and b[1:].islower() and b.isascii()):
+            continue
+        e = _core.PieceCacheBox.hot_entry(b)
+        if e in words and words[e] != b:
+            pair = (words[e].decode(), b.decode())
+            break
+        words[e] = b
+    assert pair, "no two single-token words share a hot entry"
+    a, b = pair
+    assert tok.engine.encode(a).tolist() != tok.engine.encode(b).tolist()
+    filler = "1."  # one-byte pieces, which never use the hot front
+    text = a + "".join(b + a + filler * k for k in range(0, 600, 7))
+    check_ids(tok, text, tally)
+    cache = _core.PieceCacheBox()  # one cache across calls, as a session's encodes share theirs
+    for _ in range(2):
+        st, ids, _ = tok.native._core.encode(text, cache, False, True)
+        assert st == 0 and np.array_equal(ids, tok.engine.encode(text))
+
+
 def test_nfc_changing_text_falls_back_to_the_reference(tally):
     tok = get_tokenizer("qwen3")
     text = "cafe\u0301 Å A\u030a " * 50

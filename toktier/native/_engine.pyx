@@ -78,6 +78,8 @@ cdef extern from "engine.hpp" namespace "ttn":
                                 uint32_t* ids, uint8_t* u8, uint32_t* cp, int64_t stride) except + nogil
         void pieces[T](const T* s, int64_t n, vector[int64_t]& starts, vector[int64_t]& lit_flags) except + nogil
         void bpe(const uint8_t* p, uint32_t n, PieceCache& cache, vector[uint32_t]& out) except + nogil
+        @staticmethod
+        int64_t hot_entry(const uint8_t* p, uint32_t n)
         size_t n_records()
         void build_short_vocab() except +
         void build_fast_tables() except +
@@ -110,6 +112,11 @@ cdef class PieceCacheBox:
     @property
     def misses(self):
         return self.c.misses
+
+    @staticmethod
+    def hot_entry(bytes piece):
+        """The hot front entry (`PieceCache::hot`) that `piece`'s ids go to, or -1 (tests)."""
+        return Engine.hot_entry(<const uint8_t*>piece, <uint32_t>len(piece))
 
 
 cdef object _u32(const uint32_t* p, size_t n):

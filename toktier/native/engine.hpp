@@ -283,6 +283,20 @@ struct PieceCache {
   size_t n_used = 0;
   uint64_t hits = 0, misses = 0;
 
+  // The hot front (`Engine::encode_pieces`): what a piece of 2-16 bytes encoded to, when that
+  // is 1-3 ids, direct-mapped and overwritten on a collision.  Real text repeats a few thousand
+  // pieces most of the time; their answers then come from 512 KB that stay in L2, where the
+  // short vocab (8 MiB) and the slots above (4 MiB) are L3 reads that a prefetch a batch ahead
+  // did not hide (a `perf` profile put ~37% of `encode_pieces` on those two loads).  The key is
+  // the piece's bytes themselves (two zero-padded words and the length), so an entry is exact
+  // or absent; the answer is a pure function of the bytes, as the slots' are.
+  struct alignas(32) Hot { uint64_t lo, hi; uint32_t ids[3]; uint8_t len, nids, pad[2]; };
+  static_assert(sizeof(Hot) == 32, "two hot entries per cache line");
+  static constexpr uint32_t HOT_MAX_BYTES = 16, HOT_MAX_IDS = 3;
+  static constexpr int HOT_BITS = 14;  // 16K entries, 512 KB
+  HugeArray<Hot> hot = HugeArray<Hot>(size_t(1) << HOT_BITS);  // zero-filled: len 0 is empty
+  static inline size_t hot_home(uint64_t h) { return size_t(h >> (64 - HOT_BITS)); }
+
   PieceCache() : slots(CAP) { clear(); }
   void clear() {
     for (Slot& sl : slots) sl.used = 0;
@@ -636,6 +650,13 @@ class Engine {
     return quick_mix(lo, hi, n);
   }
 
+  // The hot front entry a piece's answer goes to, or -1 when it never goes there (tests build
+  // pieces that share an entry with this).
+  static int64_t hot_entry(const uint8_t* p, uint32_t n) {
+    if (n < 2 || n > PieceCache::HOT_MAX_BYTES) return -1;
+    return int64_t(PieceCache::hot_home(piece_hash(p, n)));
+  }
+
   inline void prefetch_vocab(uint64_t h, uint32_t n) const {
     if (n <= SHORT_MAX && !short_vocab.empty()) {
       __builtin_prefetch(&short_vocab[(h * GOLDEN) >> (64 - short_bits)]);
@@ -694,22 +715,45 @@ class Engine {
   void encode_pieces(const uint8_t* buf, const PieceBatch& pcs,
                      std::vector<uint64_t>& hs, std::vector<uint32_t>& scratch, PieceCache& cache,
                      std::vector<uint32_t>& out, std::vector<uint32_t>* first_tok) const {
+    // First pass: every piece's hash, and its hot entry when that holds it (an L2 read, so the
+    // loads of many pieces overlap); only the pieces the hot front misses prefetch their lines
+    // in the big tables.
     hs.resize(pcs.size());
+    int32_t at[PieceBatch::CAP];  // the hot entry that held piece i in this pass, or -1
+    uint64_t los[PieceBatch::CAP], his[PieceBatch::CAP];  // its bytes as `quick_words` (n <= 16)
+    PieceCache::Hot* const hot = cache.hot.begin();
     size_t room = 0;
     for (size_t i = 0; i < pcs.size(); ++i) {
+      const uint8_t* p = buf + pcs[i].first;
       const uint32_t n = pcs[i].second;
       room += n;
-      hs[i] = piece_hash(buf + pcs[i].first, n);
-      if (PREFETCH && n > 1) {
+      at[i] = -1;
+      if (n <= QUICK_MAX) {
+        uint64_t lo, hi;
+        quick_words(p, n, lo, hi);
+        los[i] = lo;
+        his[i] = hi;
+        hs[i] = quick_mix(lo, hi, n);
+        if (n == 1) continue;
+        const size_t k = PieceCache::hot_home(hs[i]);
+        const PieceCache::Hot& e = hot[k];
+        if (e.len == n && ((e.lo ^ lo) | (e.hi ^ hi)) == 0) { at[i] = int32_t(k); continue; }
+      } else {
+        hs[i] = fnv(p, n);
+      }
+      if (PREFETCH) {
+        // a piece the hot front lacks is often not one vocab token either (an unseen
+        // identifier): its piece cache line is read next, so both lines are asked for
         if (t.whole_piece_lookup) prefetch_vocab(hs[i], n);
-        else cache.prefetch(hs[i]);
+        cache.prefetch(hs[i]);
       }
     }
     // Ids are written through a pointer (at most one per byte) into `scratch`, then appended: a
     // push_back per token was an out-of-line call, and growing `out` by `room` first zero-filled
-    // four bytes per text byte (a memset ~6% of an encode) for ~4 bytes per token kept.
+    // four bytes per text byte (a memset ~6% of an encode) for ~4 bytes per token kept.  (+3: a
+    // hot hit stores all three of its id words.)
     const size_t base = out.size();
-    if (scratch.size() < room) scratch.resize(std::max(room, 2 * scratch.size()));
+    if (scratch.size() < room + 3) scratch.resize(std::max(room + 3, 2 * scratch.size()));
     uint32_t* const w0 = scratch.data();
     uint32_t* w = w0;
     const bool short_ok = t.whole_piece_lookup && !short_vocab.empty();
@@ -720,13 +764,24 @@ class Engine {
       const uint8_t* p = buf + pcs[i].first;
       const uint32_t n = pcs[i].second;
       if (n == 1) { *w++ = t.byte_to_id[p[0]]; continue; }
+      if (at[i] >= 0) {
+        const PieceCache::Hot& e = hot[at[i]];
+        // still this piece's: a miss earlier in this batch may have taken the entry since
+        if (e.len == n && ((e.lo ^ los[i]) | (e.hi ^ his[i])) == 0) {
+          w[0] = e.ids[0];
+          w[1] = e.ids[1];
+          w[2] = e.ids[2];
+          w += e.nids;
+          continue;
+        }
+      }
+      uint32_t* const wp = w;
       bool looked_up = false;
+      int64_t id = -1;
       if (short_ok && n <= short_lim) {  // `vocab`'s short-table probe, inline
         uint64_t j = (hs[i] * GOLDEN) >> (64 - short_bits);
-        int64_t id = -1;
         if (n <= QUICK_MAX) {  // a slot's bytes are zero-padded: two word compares
-          uint64_t lo, hi;
-          quick_words(p, n, lo, hi);
+          const uint64_t lo = los[i], hi = his[i];
           while (true) {
             const VSlot& v = sv[j];
             if (!v.used) break;
@@ -744,10 +799,21 @@ class Engine {
             j = (j + 1) & short_mask;
           }
         }
-        if (id >= 0) { *w++ = uint32_t(id); continue; }
         looked_up = true;
       }
-      w += bpe_hashed(p, n, hs[i], cache, w, looked_up);
+      if (id >= 0) *w++ = uint32_t(id);
+      else w += bpe_hashed(p, n, hs[i], cache, w, looked_up);
+      const uint32_t k = uint32_t(w - wp);
+      if (n <= PieceCache::HOT_MAX_BYTES && k <= PieceCache::HOT_MAX_IDS) {
+        PieceCache::Hot& e = hot[PieceCache::hot_home(hs[i])];
+        e.lo = los[i];
+        e.hi = his[i];
+        e.ids[0] = wp[0];
+        e.ids[1] = k > 1 ? wp[1] : 0;
+        e.ids[2] = k > 2 ? wp[2] : 0;
+        e.len = uint8_t(n);
+        e.nids = uint8_t(k);
+      }
     }
     out.insert(out.end(), w0, w);
   }
