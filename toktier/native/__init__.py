@@ -34,9 +34,9 @@ except ImportError as exc:  # a source tree nobody built (`pip install -e .` bui
 CORES = os.cpu_count() or 1
 #: Idle piece caches an engine keeps (each ~4.5 MiB); more concurrent calls make more, then drop them.
 MAX_IDLE_CACHES = 2 * CORES
-#: Inserted bytes per extra thread of the compiled lane (it cuts windows of 8 KB and more into
-#: chunks of at least 4 KB; repair.hpp PARALLEL_MIN_BYTES / CHUNK_MIN_BYTES)
-LANE_CHUNK_BYTES = 4 * 1024
+#: Inserted bytes per extra thread of the compiled lane (it cuts windows of 24 KB and more into
+#: chunks of at least 12 KB; repair.hpp PARALLEL_MIN_BYTES / CHUNK_MIN_BYTES)
+LANE_CHUNK_BYTES = 12 * 1024
 
 
 class NativeEngine:

@@ -47,10 +47,11 @@ struct LaneTables {
 };
 
 // Windows of at least this many bytes are cut into chunks encoded on several threads (the
-// engine's kept helpers wake in ~10-20 us; 4 KB of text takes ~50 us on one core). Measured with
-// bench.append_ab: 8K/4K beat 12K/6K by 6-21% at 12K appends; 6K/3K was no better.
-constexpr int64_t PARALLEL_MIN_BYTES = 8 * 1024;
-constexpr int64_t CHUNK_MIN_BYTES = 4 * 1024;
+// engine's kept helpers wake in ~10-20 us, and a chunk's piece cache is another, colder one).
+// Measured with bench.append_ab once the hot front (engine.hpp) made one core ~1.2x faster:
+// 24K/12K beat 8K/4K by 1.26-1.37x at 16K appends, 1.07-1.20x at 20K, even from 28K on.
+constexpr int64_t PARALLEL_MIN_BYTES = 24 * 1024;
+constexpr int64_t CHUNK_MIN_BYTES = 12 * 1024;
 constexpr int64_t CUT_SEARCH = 2048;  // code points searched after each target for a cut
 
 struct LaneResult {
