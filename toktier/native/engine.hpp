@@ -264,6 +264,20 @@ void find_literals(const Trie& t, const T* s, int64_t lo, int64_t hi, std::vecto
   }
 }
 
+// A vector whose resize leaves new elements uninitialized: the lane's scratch buffers are
+// written in full right after they are sized, so zero-filling them first would be a wasted pass.
+template <class T>
+struct NoInit : std::allocator<T> {
+  template <class U>
+  struct rebind { using other = NoInit<U>; };
+  NoInit() = default;
+  template <class U>
+  NoInit(const NoInit<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) { ::new (static_cast<void*>(p)) U(std::forward<A>(a)...); }
+};
 // -- piece cache (lent to one call at a time by the Python side, `NativeEngine._take`) ---------
 // One 64-byte line per entry, the piece's bytes and ids inline, so a lookup costs one cache
 // line (prefetched a batch ahead, see `Engine::encode_pieces`): a session's window is re-encoded
@@ -296,6 +310,11 @@ struct PieceCache {
   static constexpr int HOT_BITS = 14;  // 16K entries, 512 KB
   HugeArray<Hot> hot = HugeArray<Hot>(size_t(1) << HOT_BITS);  // zero-filled: len 0 is empty
   static inline size_t hot_home(uint64_t h) { return size_t(h >> (64 - HOT_BITS)); }
+
+  // An encode's per-batch scratch (piece hashes, ids), kept with the cache lent to that call: a
+  // fresh vector per call was a malloc and a zero-filling resize into cold memory per window.
+  std::vector<uint64_t, NoInit<uint64_t>> batch_hashes;
+  std::vector<uint32_t, NoInit<uint32_t>> batch_ids;
 
   PieceCache() : slots(CAP) { clear(); }
   void clear() {
@@ -713,7 +732,8 @@ class Engine {
   };
 
   void encode_pieces(const uint8_t* buf, const PieceBatch& pcs,
-                     std::vector<uint64_t>& hs, std::vector<uint32_t>& scratch, PieceCache& cache,
+                     std::vector<uint64_t, NoInit<uint64_t>>& hs, std::vector<uint32_t, NoInit<uint32_t>>& scratch,
+                     PieceCache& cache,
                      std::vector<uint32_t>& out, std::vector<uint32_t>* first_tok) const {
     // First pass: every piece's hash, and its hot entry when that holds it (an L2 read, so the
     // loads of many pieces overlap); only the pieces the hot front misses prefetch their lines
@@ -816,6 +836,8 @@ class Engine {
       }
     }
     out.insert(out.end(), w0, w);
+    // a batch holding a huge piece (a 100K-character run) grew it: not kept with the cache
+    if (scratch.capacity() > (size_t(1) << 18)) std::vector<uint32_t, NoInit<uint32_t>>().swap(scratch);
   }
 
   // tiktoken's loop: the leftmost lowest-rank pair, merged one at a time (O(n^2), small n).
@@ -1155,7 +1177,10 @@ class Engine {
         cb.w[b][k / 64] = word;
       }
     }
-    for (int64_t z = k / 64; z < CHUNK_WORDS; ++z)
+    // `bits_at` reads at most two words past the last classified one: zero those (and one more)
+    // only, not the rest of the chunk (for a small window, ~40 stack lines written per call)
+    const int64_t zend = std::min<int64_t>(CHUNK_WORDS, k / 64 + 3);
+    for (int64_t z = k / 64; z < zend; ++z)
       for (int b = 0; b < B_COUNT; ++b) cb.w[b][z] = 0;
   }
 
@@ -1411,11 +1436,14 @@ class Engine {
     out.ids.reserve(out.ids.size() + size_t(n / 3) + 16);
     if (out.want_starts) out.starts.reserve(out.ids.capacity());
     const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
-    std::unique_ptr<uint8_t[]> pbuf(new uint8_t[4096]());  // a batch's pieces as UTF-8 (converted texts)
-    size_t pcap = 4096;
+    // A batch's pieces as UTF-8, for texts converted piece by piece: made on first use, since a
+    // zero-filled 4 KB per call was ~60 cache lines written by every window the lane encodes
+    // (its segments are read in place).
+    std::unique_ptr<uint8_t[]> pbuf;
+    size_t pcap = 0;
     PieceBatch batch;  // (byte offset in the segment buffer, length)
-    std::vector<uint64_t> hs;
-    std::vector<uint32_t> id_scratch;
+    auto& hs = cache.batch_hashes;
+    auto& id_scratch = cache.batch_ids;
     std::vector<uint32_t> first_tok;
     int64_t text_byte = 0;  // UTF-8 offset of character `text_char` in the whole text
     int64_t text_char = 0;
@@ -1466,7 +1494,7 @@ class Engine {
       auto piece = [&](int64_t pa, int64_t pb) {
         const size_t need = used + size_t(pb - pa) * 4 + 16;  // + room for `ascii8`'s 8-byte stores
         if (need > pcap) {
-          pcap = std::max(need, 2 * pcap);
+          pcap = std::max({need, 2 * pcap, size_t(4096)});
           std::unique_ptr<uint8_t[]> bigger(new uint8_t[pcap]());
           if (used) std::memcpy(bigger.get(), pbuf.get(), used);
           pbuf = std::move(bigger);

@@ -64,20 +64,6 @@ struct LaneResult {
   std::vector<uint32_t> mid;  // fresh tokens from the cut to the end
 };
 
-// A vector whose resize leaves new elements uninitialized: the lane's scratch buffers are
-// written in full right after they are sized, so zero-filling them first would be a wasted pass.
-template <class T>
-struct NoInit : std::allocator<T> {
-  template <class U>
-  struct rebind { using other = NoInit<U>; };
-  NoInit() = default;
-  template <class U>
-  NoInit(const NoInit<U>&) noexcept {}
-  template <class U>
-  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
-  template <class U, class... A>
-  void construct(U* p, A&&... a) { ::new (static_cast<void*>(p)) U(std::forward<A>(a)...); }
-};
 using CpBuf = std::vector<uint32_t, NoInit<uint32_t>>;  // code points of a window
 using AtBuf = std::vector<int64_t, NoInit<int64_t>>;    // their byte offsets (one more: the end)
 
