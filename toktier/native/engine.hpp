@@ -25,7 +25,6 @@
 #include <memory>
 #include <queue>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 #ifdef __linux__
 #include <sys/mman.h>
@@ -149,7 +148,33 @@ class HugeArray {
 
 // -- literal tries (over code points) ---------------------------------------------------------
 struct Trie {
-  std::unordered_map<uint64_t, int32_t> edges;  // (node << 21 | cp) -> child
+  // Edges (node << 21 | cp) -> child in one open-addressed array (at most half full): a step of
+  // `longest` is one probe into it, where a node-based map's bucket, node and next pointers were
+  // several dependent misses a step once a session op finds its caches cold.
+  struct Edge { uint64_t key; int32_t child; };
+  std::vector<Edge> edges = std::vector<Edge>(16, Edge{EMPTY_EDGE, -1});
+  size_t n_edges = 0;
+  static constexpr uint64_t EMPTY_EDGE = ~0ull;  // no key: a code point takes 21 bits
+  size_t slot_of(uint64_t key) const {
+    const size_t m = edges.size() - 1;
+    size_t j = size_t((key * GOLDEN) >> 40) & m;
+    while (edges[j].key != key && edges[j].key != EMPTY_EDGE) j = (j + 1) & m;
+    return j;
+  }
+  int32_t child_of(uint64_t key) const {
+    const Edge& e = edges[slot_of(key)];
+    return e.key == key ? e.child : -1;
+  }
+  void put_edge(uint64_t key, int32_t child) {
+    if (2 * (n_edges + 1) > edges.size()) {
+      std::vector<Edge> old(2 * edges.size(), Edge{EMPTY_EDGE, -1});
+      old.swap(edges);
+      for (const Edge& e : old)
+        if (e.key != EMPTY_EDGE) edges[slot_of(e.key)] = e;
+    }
+    edges[slot_of(key)] = Edge{key, child};
+    ++n_edges;
+  }
   std::vector<int64_t> term{-1};  // node -> literal id or -1
   std::vector<uint64_t> first_ascii{0, 0};  // bitmap of ASCII first code points
   std::vector<uint32_t> first_other;  // sorted non-ASCII first code points
@@ -160,15 +185,15 @@ struct Trie {
     if (n <= 0) return;
     int32_t node = 0;
     for (int64_t i = 0; i < n; ++i) {
-      uint64_t key = (uint64_t(node) << 21) | cps[i];
-      auto it = edges.find(key);
-      if (it == edges.end()) {
-        int32_t child = int32_t(term.size());
+      const uint64_t key = (uint64_t(node) << 21) | cps[i];
+      const int32_t found = child_of(key);
+      if (found < 0) {
+        const int32_t child = int32_t(term.size());
         term.push_back(-1);
-        edges.emplace(key, child);
+        put_edge(key, child);
         node = child;
       } else {
-        node = it->second;
+        node = found;
       }
     }
     term[node] = id;
@@ -240,9 +265,9 @@ struct Trie {
     int32_t node = 0;
     int64_t best = -1;
     for (int64_t j = i; j < n; ++j) {
-      auto it = edges.find((uint64_t(node) << 21) | uint32_t(s[j]));
-      if (it == edges.end()) break;
-      node = it->second;
+      const int32_t child = child_of((uint64_t(node) << 21) | uint32_t(s[j]));
+      if (child < 0) break;
+      node = child;
       if (term[node] >= 0) { best = j + 1; id = term[node]; }
     }
     return best;
