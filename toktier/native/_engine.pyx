@@ -486,8 +486,9 @@ cdef int _u32_buffer(object obj, Py_buffer* view, cbool writable=False) except -
             f += 1
     if view.itemsize != 4 or view.ndim != 1 or f == NULL or not (f[0] == b'I' or f[0] == b'L') or f[1] != 0:
         fmt = b"" if view.format == NULL else <bytes>view.format
+        size = view.itemsize
         PyBuffer_Release(view)
-        raise TypeError(f"a 1-D uint32 buffer was expected, not format {fmt!r} of {view.itemsize} bytes")
+        raise TypeError(f"a 1-D uint32 buffer was expected, not format {fmt!r} of {size} bytes")
     return 0
 
 
@@ -696,10 +697,6 @@ cdef class RepairLane:
         if done:
             return 0, res.k1, res.k2, res.q, res.q2, res.fresh, first, B.n, B.n_cp, None
         return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid.data(), res.mid.size())
-
-
-
-
 
 
 def token_start(ids, token_len, checkpoints, int64_t stride, int64_t k):
