@@ -394,6 +394,28 @@ def test_a_piece_whose_hot_entry_was_just_taken_is_encoded_again(name, tally):
         assert st == 0 and np.array_equal(ids, tok.engine.encode(text))
 
 
+def test_lane_commit_refuses_buffers_of_the_wrong_kind():
+    # The compiled lane writes the splice into the session's buffers in place: they must be 1-D,
+    # writable uint32, else a typed error and nothing written.
+    tok = get_tokenizer("llama3")
+    s = toktier.Session(tok, "hello world")
+    ids = s.ids.copy()
+    cps, n_cp = s._starts.raw()
+    lane, cache = tok.native.lane(), tok.native._take()
+    try:
+        args = (bytearray(b"hello world"), 11, 11, b" again")
+        with pytest.raises(TypeError, match="uint32"):
+            lane.edit_commit(*args, ids.astype(np.int64), len(ids), cps, n_cp, 64, 64, 64, [cache])
+        frozen = ids.copy()
+        frozen.flags.writeable = False
+        with pytest.raises((ValueError, BufferError)):
+            lane.edit_commit(*args, frozen, len(ids), cps, n_cp, 64, 64, 64, [cache])
+        assert np.array_equal(frozen, ids)
+    finally:
+        tok.native._give(cache)
+    assert np.array_equal(s.append(" again").ids, tok.engine.encode("hello world again"))
+
+
 def test_nfc_changing_text_falls_back_to_the_reference(tally):
     tok = get_tokenizer("qwen3")
     text = "cafe\u0301 Å A\u030a " * 50

@@ -303,6 +303,9 @@ struct NoInit : std::allocator<T> {
   template <class U, class... A>
   void construct(U* p, A&&... a) { ::new (static_cast<void*>(p)) U(std::forward<A>(a)...); }
 };
+using U32Scratch = std::vector<uint32_t, NoInit<uint32_t>>;
+using U64Scratch = std::vector<uint64_t, NoInit<uint64_t>>;
+
 // -- piece cache (lent to one call at a time by the Python side, `NativeEngine._take`) ---------
 // One 64-byte line per entry, the piece's bytes and ids inline, so a lookup costs one cache
 // line (prefetched a batch ahead, see `Engine::encode_pieces`): a session's window is re-encoded
@@ -338,8 +341,8 @@ struct PieceCache {
 
   // An encode's per-batch scratch (piece hashes, ids), kept with the cache lent to that call: a
   // fresh vector per call was a malloc and a zero-filling resize into cold memory per window.
-  std::vector<uint64_t, NoInit<uint64_t>> batch_hashes;
-  std::vector<uint32_t, NoInit<uint32_t>> batch_ids;
+  U64Scratch batch_hashes;
+  U32Scratch batch_ids;
 
   PieceCache() : slots(CAP) { clear(); }
   void clear() {
@@ -757,8 +760,7 @@ class Engine {
   };
 
   void encode_pieces(const uint8_t* buf, const PieceBatch& pcs,
-                     std::vector<uint64_t, NoInit<uint64_t>>& hs, std::vector<uint32_t, NoInit<uint32_t>>& scratch,
-                     PieceCache& cache,
+                     U64Scratch& hs, U32Scratch& scratch, PieceCache& cache,
                      std::vector<uint32_t>& out, std::vector<uint32_t>* first_tok) const {
     // First pass: every piece's hash, and its hot entry when that holds it (an L2 read, so the
     // loads of many pieces overlap); only the pieces the hot front misses prefetch their lines
@@ -862,7 +864,7 @@ class Engine {
     }
     out.insert(out.end(), w0, w);
     // a batch holding a huge piece (a 100K-character run) grew it: not kept with the cache
-    if (scratch.capacity() > (size_t(1) << 18)) std::vector<uint32_t, NoInit<uint32_t>>().swap(scratch);
+    if (scratch.capacity() > (size_t(1) << 18)) U32Scratch().swap(scratch);
   }
 
   // tiktoken's loop: the leftmost lowest-rank pair, merged one at a time (O(n^2), small n).

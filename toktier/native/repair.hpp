@@ -64,7 +64,7 @@ struct LaneResult {
   std::vector<uint32_t> mid;  // fresh tokens from the cut to the end
 };
 
-using CpBuf = std::vector<uint32_t, NoInit<uint32_t>>;  // code points of a window
+using CpBuf = U32Scratch;  // code points of a window
 using AtBuf = std::vector<int64_t, NoInit<int64_t>>;    // their byte offsets (one more: the end)
 
 // Whether b[0, n) is all ASCII (then it needs no decoding: character i is byte i).
