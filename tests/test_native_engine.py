@@ -416,6 +416,139 @@ def test_lane_commit_refuses_buffers_of_the_wrong_kind():
     assert np.array_equal(s.append(" again").ids, tok.engine.encode("hello world again"))
 
 
+def _lane_state(s):
+    cps, n_cp = s._starts.raw()
+    return bytes(s._text), s._ids.buffer.copy(), s._ids.n, cps.copy(), n_cp
+
+
+def _same_state(a, b) -> bool:
+    return a[0] == b[0] and a[2] == b[2] and a[4] == b[4] and np.array_equal(a[1], b[1]) and np.array_equal(a[3], b[3])
+
+
+def test_the_one_call_append_commits_exactly_or_writes_nothing(tally):
+    # `RepairLane.append_commit` (Session.append's compiled path) either commits the text, the
+    # IDs and the checkpoints together, or leaves all three as they were and says why.
+    from toktier.native import LANE_CHUNK_BYTES
+    from toktier.offsets import STRIDE
+
+    tok = get_tokenizer("llama3")
+    nat = tok.native
+    lane = nat.lane()
+    text = large_text(8_000, seed=5, kind="code")
+    s = toktier.Session(tok, text)
+    s.append(" warm")  # the first op after a start grows the buffers (the general path)
+    text += " warm"
+
+    def call(delta, limit=LANE_CHUNK_BYTES, ids_buffer=None):
+        cps, n_cp = s._starts.raw()
+        return lane.append_commit(nat.pool, s._text, delta, s._ids.buffer if ids_buffer is None else ids_buffer,
+                                  s._ids.n, cps, n_cp, STRIDE, s.window, limit)
+
+    for delta in ("", "\ud800 lone", "x" * 100):  # empty, not encodable, at the length limit
+        before = _lane_state(s)
+        assert call(delta, limit=100 if delta.startswith("x") else LANE_CHUNK_BYTES) is None
+        assert _same_state(_lane_state(s), before)
+    with pytest.raises(TypeError, match="uint32"):
+        call(" typed", ids_buffer=s._ids.buffer.astype(np.int64))
+    # declined (one-byte runs: `LANE_STATUS` 2): nothing written, the status and the work done returned
+    runs = toktier.Session(tok, "=" * 3000)
+    runs.append("=")
+    cps, n_cp = runs._starts.raw()
+    before = _lane_state(runs)
+    out = lane.append_commit(nat.pool, runs._text, "=" * 10, runs._ids.buffer, runs._ids.n, cps, n_cp, STRIDE,
+                             runs.window, LANE_CHUNK_BYTES)
+    assert out is not None and out[0] != 0 and len(out) == 2, out
+    assert _same_state(_lane_state(runs), before)
+    # committed: the text holds the new UTF-8 and the buffers the reference's IDs and checkpoints
+    for delta in ("\n# caf\u00e9 \u4e2d\u6587 \U0001f600 done\n", "\nx = 1\n"):
+        n_before = s._ids.n
+        out = call(delta)
+        assert out is not None and out[0] == 0, out
+        _, first, new_n, new_cp, fresh = out
+        s._ids.n, _ = new_n, s._starts.set_count(new_cp)
+        s._nchars += len(delta)
+        text += delta
+        ref = tok.engine.encode(text)
+        assert bytes(s._text) == text.encode("utf-8")
+        assert np.array_equal(s.ids, ref) and fresh > 0 and 0 <= first <= n_before
+        assert np.array_equal(s._starts.checkpoints(), _checkpoints_from_scratch(tok, s.ids))
+        tally(tok, "session", 1)
+
+
+def test_session_appends_count_each_op_once_whichever_path_serves_them(tally):
+    # The compiled append, its declines (general path without a second lane try), buffer growth,
+    # long appends (the chunked lane) and non-str input: one op each, every result exact.
+    from toktier.native import LANE_PARALLEL_MIN_BYTES
+
+    tok = get_tokenizer("llama3")
+    deltas = ["=" * 40, " x", "\u00e9t\u00e9 ", "a" * 7, large_text(LANE_PARALLEL_MIN_BYTES + 500, seed=2, kind="english"),
+              " y", "", "\n<|eot_id|>", large_text(16_000, seed=3, kind="code")]
+    s = _append_session(tok, "=" * 2000, deltas, tally)
+    assert s.stats.ops == len(deltas)
+    assert s.stats.lane >= 3 and s.stats.noop == 1, s.stats
+    with pytest.raises(toktier.errors.InvalidText):
+        s.append(b"bytes")
+    with pytest.raises(toktier.errors.InvalidText):
+        s.append("bad \ud800")
+    assert s.stats.ops == len(deltas)
+
+
+def test_an_append_to_an_exported_text_fails_and_leaves_the_session_intact(tally):
+    # The text grows before any token is written, so a text that cannot be resized (a buffer of
+    # it still exported) fails the op with the session unchanged, and the next op is exact.
+    tok = get_tokenizer("llama3")
+    text = large_text(5_000, seed=8, kind="english")
+    s = toktier.Session(tok, text)
+    s.append(" one")
+    text += " one"
+    before = _lane_state(s)
+    view = memoryview(s._text)
+    with pytest.raises(BufferError):
+        s.append(" two")
+    assert _same_state(_lane_state(s), before)
+    view.release()
+    r = s.append(" two")
+    assert np.array_equal(r.ids, tok.engine.encode(text + " two"))
+    tally(tok, "session", 1)
+
+
+def test_the_cache_pool_lends_each_cache_to_one_taker_at_a_time():
+    pool = _core.CachePool(3)
+    with pytest.raises(ValueError):
+        _core.CachePool(-1)
+    held: set[int] = set()
+    clash = []
+    lock = threading.Lock()
+
+    def worker():
+        for _ in range(2000):
+            c = pool.take()
+            with lock:
+                if id(c) in held:
+                    clash.append(id(c))
+                held.add(id(c))
+            with lock:
+                held.discard(id(c))
+            pool.give(c)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not clash and len(pool) <= 3
+    a, b = pool.take(), pool.take()
+    assert a is not b
+
+
+def test_op_results_are_immutable():
+    s = toktier.Session(get_tokenizer("llama3"), "hello")
+    r = s.append(" world")
+    with pytest.raises(AttributeError):
+        r.first_changed = 0
+    assert r.path == toktier.RepairPath.FIRST_WINDOW and r.widenings == 0 and r.reason is None
+
+
 def test_nfc_changing_text_falls_back_to_the_reference(tally):
     tok = get_tokenizer("qwen3")
     text = "cafe\u0301 Å A\u030a " * 50

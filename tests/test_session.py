@@ -186,7 +186,7 @@ def test_seams(name, seam, tally):
 # agreeing runs almost always sit on real boundaries.  The predicate itself is
 # given teeth in test_families.py, where a widened predicate is caught directly.)
 
-def _tokenize_append_alone(self, s, e, data, dchars):
+def _tokenize_append_alone(self, s, e, data, dchars, lane=True):
     if s != e or s != len(self._text):
         return None
     extra = self.tokenizer.encode(data.decode())
@@ -198,7 +198,7 @@ def _tokenize_append_alone(self, s, e, data, dchars):
     return toktier.session.OpResult(self._ids.view(), 0, RepairPath.FIRST_WINDOW)
 
 
-def _fixed_radius_splice(self, s, e, data, dchars):
+def _fixed_radius_splice(self, s, e, data, dchars, lane=True):
     """Re-tokenize from the cached token nearest to s - 64 bytes and splice there, unchecked."""
     if s != e or s != len(self._text):
         return None
@@ -217,6 +217,9 @@ def _fixed_radius_splice(self, s, e, data, dchars):
 @pytest.mark.parametrize("mutation", [_tokenize_append_alone, _fixed_radius_splice])
 def test_suite_catches_wrong_splices(monkeypatch, mutation):
     monkeypatch.setattr(toktier.session.Session, "_repair", mutation)
+    # appends reach `_repair` only where the compiled one-call append (`RepairLane.append_commit`)
+    # does not serve them: with no append short enough for it, every one does
+    monkeypatch.setattr(toktier.session, "LANE_PARALLEL_MIN_BYTES", 0)
     tok = get_tokenizer("cl100k_base")
     with pytest.raises(AssertionError):
         for seam in SEAMS:

@@ -50,6 +50,13 @@ inside it.  So decomposed text costs nothing extra, wherever it is and however i
 arrives; only a change inside a run of more than `MAX_EDGE_STEPS` combining characters
 takes the full path.
 
+Where it can, the first window's splice runs in compiled code (``native/repair.hpp``, the
+same certificate): an append shorter than a window the lane keeps on one thread is one call,
+`RepairLane.append_commit`, which reads an ASCII str's bytes in place, splices into the
+session's buffers and grows the text; Python only updates the counters and builds the
+result.  An op right after the process slept finds every cache and TLB entry cold, and each
+Python step then costs microseconds (see bench/RESULTS.md, "the one-call append").
+
 Unsupported families (`tokenizer.family is None`) always take the full path, which
 for large texts encodes chunks cut at standalone-stable boundaries in parallel
 (`fullpath.py`).  A session is not thread-safe: the caller orders ops on it.
@@ -60,6 +67,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,6 +76,7 @@ from .errors import InvalidEditRange, InvalidState, InvalidText
 from .families import I
 from .fullpath import FullPath
 from .nfc_spans import SpanMap, nfc_spans
+from .native import LANE_PARALLEL_MIN_BYTES
 from .offsets import STRIDE, SparseOffsets
 from .repair_window import WindowContext, case_table_of, char_at, digit_table_of, run_edge
 from .registry import FrozenTokenizer
@@ -88,15 +97,23 @@ class RepairPath(str, enum.Enum):
     FULL = "full"  # whole text re-tokenized (see `OpResult.reason`)
 
 
-@dataclass(frozen=True, slots=True)
-class OpResult:
-    """Outcome of one session op.  `ids` is a view valid until the next op."""
+class OpResult(NamedTuple):
+    """Outcome of one session op (immutable).  `ids` is a view valid until the next op.
+
+    A named tuple rather than a frozen dataclass: `append`'s compiled path builds it with one
+    C-level ``tuple.__new__``, where a frozen dataclass runs a Python ``__init__`` with an
+    ``object.__setattr__`` per field (~40 us when an op's code is cold, as after the process
+    slept: more than the splice of a short append)."""
 
     ids: np.ndarray
     first_changed: int  # first token index that differs from the previous state
     path: RepairPath
     widenings: int = 0
     reason: str | None = None  # why the full path was taken
+
+
+_new_tuple = tuple.__new__  # OpResult without its Python-level __new__ (all five fields given)
+_FIRST_WINDOW = RepairPath.FIRST_WINDOW
 
 
 @dataclass(slots=True)
@@ -434,6 +451,33 @@ class Session:
 
     # -- ops ------------------------------------------------------------------
     def append(self, text: str) -> OpResult:
+        nat = self.tokenizer.native
+        if (nat is not None and nat.demoted is None and type(text) is str and self._tiles and not self._dirty
+                and self.fast_path and self._spliceable and self.full_path.gpu is None and self._ids.n):
+            # One compiled call for the common op (`RepairLane.append_commit`): the UTF-8, the
+            # first window's certified splice, the text's growth.  With its code and data cold
+            # (an op after the process slept), each Python step it saves costs microseconds.
+            ids, starts = self._ids, self._starts
+            cp, n_cp = starts.raw()
+            # (only appends whose window stays on one thread: longer ones take the chunked lane below)
+            done = nat.lane().append_commit(nat.pool, self._text, text, ids.buffer, ids.n, cp, n_cp, STRIDE,
+                                            self.window, LANE_PARALLEL_MIN_BYTES - 2 * self.window)
+            if done is not None:
+                stats = self.stats
+                if done[0] == 0:
+                    ids.n = done[2]
+                    starts.set_count(done[3])
+                    self._nchars += len(text)
+                    self._ascii = self._ascii and text.isascii()
+                    # (`_lookback` stays whole: its entries end at or before the old text's end)
+                    stats.ops += 1
+                    stats.tokens_retokenized += done[4]
+                    stats.lane += 1
+                    stats.first_window += 1
+                    return _new_tuple(OpResult, (ids.view(), done[1], _FIRST_WINDOW, 0, None))
+                stats.tokens_retokenized += done[1]  # declined: the general path, without the lane
+                end = len(self._text)
+                return self._apply(end, end, _to_utf8(text), len(text), lane=False)
         data = _to_utf8(text)
         end = len(self._text)
         return self._apply(end, end, data, len(text))
@@ -486,7 +530,9 @@ class Session:
             return start, end
         return _byte_offset(self._text, self._nchars, start), _byte_offset(self._text, self._nchars, end)
 
-    def _apply(self, s: int, e: int, data: bytes, dchars: int) -> OpResult:
+    def _apply(self, s: int, e: int, data: bytes, dchars: int, lane: bool = True) -> OpResult:
+        """Replace bytes [s, e) by `data` (`dchars` characters more); `lane` False: the compiled lane
+        declined this op already (`append`), so the repair starts on the general path."""
         self.stats.ops += 1
         if s == e and not data:
             self.stats.noop += 1
@@ -501,7 +547,7 @@ class Session:
             reason = ("token bytes do not tile the text (the normalizer changes it, or a token's byte span is "
                       "unproven): no splice is provable")
         else:
-            result = self._repair(s, e, data, dchars)
+            result = self._repair(s, e, data, dchars, lane)
             if isinstance(result, OpResult):
                 return result
             reason = result
@@ -580,12 +626,12 @@ class Session:
         """Normalized-coordinate position of raw byte position `x` (outside every dirty span)."""
         return self._dmap.norm(x)
 
-    def _repair(self, s: int, e: int, data: bytes, dchars: int) -> OpResult | str:
+    def _repair(self, s: int, e: int, data: bytes, dchars: int, lane: bool = True) -> OpResult | str:
         """The spliced result, or why no splice was certified."""
         tok = self.tokenizer
         T = self._text
         n_old = len(T)
-        if (not self._dirty and self._ids.n and tok.engine_label == "native"
+        if (lane and not self._dirty and self._ids.n and tok.engine_label == "native"
                 and not (self.full_path.gpu is not None and self.full_path.is_parallel(len(data) + 2 * self.window, tok))):
             # The compiled lane does the first window's splice in one call, with the same
             # certificate (a big window in chunks, a thread per core); when it declines, the path

@@ -322,15 +322,15 @@ def test_verifier_mismatch_disables_fast_path_until_reenabled(start_sidecar, lla
     import toktier.session as ts
 
     corrupt = {"on": False}
-    original = ts.Session._repair  # every splice returns through it (the compiled lane's too)
+    original = ts.Session.append  # every append returns through it (the compiled one-call path's too)
 
-    def faulty_repair(self, *a, **k):
+    def faulty_append(self, *a, **k):
         r = original(self, *a, **k)
-        if corrupt["on"] and isinstance(r, ts.OpResult):
+        if corrupt["on"] and r.path != ts.RepairPath.FULL:
             self._ids.view()[-1] ^= 1  # a silent wrong ID in the served result
         return r
 
-    monkeypatch.setattr(ts.Session, "_repair", faulty_repair)
+    monkeypatch.setattr(ts.Session, "append", faulty_append)
     sc = start_sidecar(verify_rate=1.0, verify_disable_on_mismatch=True)
     with Client(sc.path) as c:
         s = c.session("m", text="word " * 300)

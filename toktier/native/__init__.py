@@ -15,7 +15,6 @@ never touch this module.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Literal
 
 import numpy as np
@@ -38,6 +37,9 @@ MAX_IDLE_CACHES = 2 * CORES
 #: Inserted bytes per extra thread of the compiled lane (it cuts windows of 24 KB and more into
 #: chunks of at least 12 KB; repair.hpp PARALLEL_MIN_BYTES / CHUNK_MIN_BYTES)
 LANE_CHUNK_BYTES = 12 * 1024
+#: Windows shorter than this are encoded on one thread whatever caches the lane is lent
+#: (repair.hpp PARALLEL_MIN_BYTES): `Session.append`'s one-call path serves appends up to it
+LANE_PARALLEL_MIN_BYTES = 24 * 1024
 
 
 class NativeEngine:
@@ -49,8 +51,7 @@ class NativeEngine:
         self.rules = rules
         # Piece caches, lent one per call: any thread may use any of them (never two at once), so
         # they stay warm across the full path's short-lived chunk threads and server workers.
-        self._caches: list = []
-        self._caches_lock = threading.Lock()
+        self.pool = _core.CachePool(MAX_IDLE_CACHES)
         self.demoted: str | None = None  # why it no longer serves (a confirmed shadow mismatch)
         self.nfc_fallbacks = 0  # NFC-family texts the normalizer changes: the reference encoded them
         self._lane = None
@@ -66,15 +67,10 @@ class NativeEngine:
             self.demoted = reason
 
     def _take(self):
-        with self._caches_lock:
-            if self._caches:
-                return self._caches.pop()
-        return _core.PieceCacheBox()
+        return self.pool.take()
 
     def _give(self, cache) -> None:
-        with self._caches_lock:
-            if len(self._caches) < MAX_IDLE_CACHES:
-                self._caches.append(cache)
+        self.pool.give(cache)
 
     def encode(self, text: str) -> np.ndarray:
         """Exactly ``tok.encode(text)`` (uint32)."""

@@ -20,6 +20,10 @@ import numpy as np
 
 
 cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object, Py_ssize_t*) except NULL
+    char* PyByteArray_AS_STRING(object)
+    Py_ssize_t PyByteArray_GET_SIZE(object)
+    int PyByteArray_Resize(object, Py_ssize_t) except -1
     int PyUnicode_KIND(object)
     void* PyUnicode_DATA(object)
     Py_ssize_t PyUnicode_GET_LENGTH(object)
@@ -119,6 +123,36 @@ cdef class PieceCacheBox:
     def hot_entry(bytes piece):
         """The hot front entry (`PieceCache::hot`) that `piece`'s ids go to, or -1 (tests)."""
         return Engine.hot_entry(<const uint8_t*>piece, <uint32_t>len(piece))
+
+
+cdef class CachePool:
+    """The idle piece caches of one engine, lent one per call (`take`, `give`): any thread may use
+    any of them, never two at once, so they stay warm across calls, sessions and threads.  Both
+    methods run no Python code while they touch the list, so the GIL makes each one atomic (no
+    lock to take: a session op with cold caches pays for every object it touches)."""
+
+    cdef list idle
+    cdef Py_ssize_t limit
+
+    def __init__(self, Py_ssize_t limit):
+        if limit < 0:
+            raise ValueError("a cache pool's limit cannot be negative")
+        self.idle = []
+        self.limit = limit
+
+    cpdef PieceCacheBox take(self):
+        """An idle cache, or a new one when none is idle."""
+        if self.idle:
+            return self.idle.pop()
+        return PieceCacheBox()
+
+    cpdef give(self, PieceCacheBox cache):
+        """Return a cache taken from this pool (dropped when `limit` are idle already)."""
+        if len(self.idle) < self.limit:
+            self.idle.append(cache)
+
+    def __len__(self):
+        return len(self.idle)
 
 
 cdef object _u32(const uint32_t* p, size_t n):
@@ -697,6 +731,91 @@ cdef class RepairLane:
         if done:
             return 0, res.k1, res.k2, res.q, res.q2, res.fresh, first, B.n, B.n_cp, None
         return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid.data(), res.mid.size())
+
+
+    def append_commit(self, CachePool pool, bytearray text, str data, ids_buffer, int64_t n, cp_buffer,
+                      int64_t n_cp, int64_t stride, int64_t window, int64_t max_data_bytes):
+        """A session append in one call: `data` (a str) appended to `text` (the session's UTF-8
+        bytearray) with the first window's certified splice written in place, as `edit_commit`
+        does with one piece cache from `pool`.
+
+        Returns (0, first changed, new n, new n_cp, fresh count): committed, and `text` holds the
+        new bytes.  (status, fresh count) with status > 0: the lane declined (`LANE_STATUS`),
+        nothing written.  None: not done, nothing written (`data` is empty, not encodable as UTF-8
+        or `max_data_bytes` long or longer, the text would reach 4 GiB, or a buffer lacks room):
+        the caller takes the general path.
+        The UTF-8 of an ASCII str is its own buffer (PEP 393), so an ASCII append copies nothing
+        before the splice."""
+        cdef const char* d
+        cdef Py_ssize_t nd
+        if PyUnicode_IS_ASCII(data):
+            d = <const char*>PyUnicode_DATA(data)
+            nd = PyUnicode_GET_LENGTH(data)
+        else:
+            try:
+                d = PyUnicode_AsUTF8AndSize(data, &nd)
+            except UnicodeEncodeError:
+                return None  # a lone surrogate: the general path raises InvalidText for it
+        if nd == 0 or nd >= max_data_bytes:
+            return None
+        cdef Py_buffer bi, bc
+        cdef LaneResult res
+        cdef Cached C
+        cdef Buffers B
+        cdef vector[PieceCache*] no_more
+        cdef int64_t n_old = PyByteArray_GET_SIZE(text), first = 0, new_n, new_cp, lm
+        cdef Py_buffer bt
+        if n_old == 0 or n <= 0 or n_old + nd >= (<int64_t>1 << 32):  # token offsets are uint32
+            return None
+        cdef PieceCacheBox cache = pool.take()
+        _u32_buffer(ids_buffer, &bi, True)
+        try:
+            _u32_buffer(cp_buffer, &bc, True)
+            try:
+                if n > bi.len // 4 or n_cp != (n + stride - 1) // stride or n_cp > bc.len // 4:
+                    return None
+                C.ids = <uint32_t*>bi.buf
+                C.N = n
+                C.cp = <uint32_t*>bc.buf
+                C.n_cp = n_cp
+                C.stride = stride
+                C.lane = self.lane
+                # An export of the text while the GIL is released: another thread resizing it meanwhile
+                # (a session shared without a lock) gets a BufferError, never freed memory under the lane.
+                _byte_buffer(text, &bt)
+                try:
+                    with nogil:
+                        self.lane.edit(<const uint8_t*>bt.buf, n_old, n_old, n_old, <const uint8_t*>d, nd, C, window,
+                                       window, cache.c[0], no_more, res)
+                finally:
+                    PyBuffer_Release(&bt)
+                pool.give(cache)
+                cache = None
+                if res.status != 0:
+                    return res.status, res.fresh
+                lm = res.mid.size()
+                new_n = n - (res.k2 - res.k1) + lm
+                new_cp = (new_n + stride - 1) // stride
+                if new_n > bi.len // 4 or new_cp > bc.len // 4:
+                    return None  # a buffer must grow first: the general path does it
+                # The text grows before any token is written: a failed resize leaves the session as it was.
+                PyByteArray_Resize(text, n_old + nd)
+                memcpy(PyByteArray_AS_STRING(text) + n_old, d, nd)
+                B.ids = <uint32_t*>bi.buf
+                B.n = n
+                B.cap = bi.len // 4
+                B.cp = <uint32_t*>bc.buf
+                B.n_cp = n_cp
+                B.cp_cap = bc.len // 4
+                B.stride = stride
+                self.lane.commit(res, B, first)  # cannot refuse: the room was checked above
+                return 0, first, B.n, B.n_cp, res.fresh
+            finally:
+                PyBuffer_Release(&bc)
+        finally:
+            PyBuffer_Release(&bi)
+            if cache is not None:
+                pool.give(cache)
 
 
 def token_start(ids, token_len, checkpoints, int64_t stride, int64_t k):
