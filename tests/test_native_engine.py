@@ -539,6 +539,13 @@ def test_the_cache_pool_lends_each_cache_to_one_taker_at_a_time():
     assert not clash and len(pool) <= 3
     a, b = pool.take(), pool.take()
     assert a is not b
+    with pytest.raises(TypeError):
+        pool.give(None)
+    for c in (a, b, _core.PieceCacheBox(), _core.PieceCacheBox()):
+        pool.give(c)
+    assert len(pool) == 3  # the fourth is dropped
+    taken = [pool.take() for _ in range(4)]
+    assert len({id(c) for c in taken}) == 4 and len(pool) == 0
 
 
 def test_op_results_are_immutable():

@@ -131,28 +131,36 @@ cdef class CachePool:
     methods run no Python code while they touch the list, so the GIL makes each one atomic (no
     lock to take: a session op with cold caches pays for every object it touches)."""
 
-    cdef list idle
-    cdef Py_ssize_t limit
+    cdef list slots  # `limit` slots, the first `n` holding idle caches, the rest None
+    cdef Py_ssize_t n, limit
 
     def __init__(self, Py_ssize_t limit):
         if limit < 0:
             raise ValueError("a cache pool's limit cannot be negative")
-        self.idle = []
+        # fixed slots, not a list that grows and shrinks: a pop from a list of one reallocates it
+        self.slots = [None] * limit
+        self.n = 0
         self.limit = limit
 
     cpdef PieceCacheBox take(self):
         """An idle cache, or a new one when none is idle."""
-        if self.idle:
-            return self.idle.pop()
+        if self.n:
+            self.n -= 1
+            cache = self.slots[self.n]
+            self.slots[self.n] = None
+            return cache
         return PieceCacheBox()
 
     cpdef give(self, PieceCacheBox cache):
         """Return a cache taken from this pool (dropped when `limit` are idle already)."""
-        if len(self.idle) < self.limit:
-            self.idle.append(cache)
+        if cache is None:
+            raise TypeError("give() takes a PieceCacheBox, not None")
+        if self.n < self.limit:
+            self.slots[self.n] = cache
+            self.n += 1
 
     def __len__(self):
-        return len(self.idle)
+        return self.n
 
 
 cdef object _u32(const uint32_t* p, size_t n):
