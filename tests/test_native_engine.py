@@ -448,8 +448,10 @@ def test_the_one_call_append_commits_exactly_or_writes_nothing(tally):
         before = _lane_state(s)
         assert call(delta, limit=100 if delta.startswith("x") else LANE_CHUNK_BYTES) is None
         assert _same_state(_lane_state(s), before)
+    idle = len(nat.pool)
     with pytest.raises(TypeError, match="uint32"):
         call(" typed", ids_buffer=s._ids.buffer.astype(np.int64))
+    assert len(nat.pool) == idle  # a refused call keeps no cache
     # declined (one-byte runs: `LANE_STATUS` 2): nothing written, the status and the work done returned
     runs = toktier.Session(tok, "=" * 3000)
     runs.append("=")

@@ -775,7 +775,7 @@ cdef class RepairLane:
         cdef Py_buffer bt
         if n_old == 0 or n <= 0 or n_old + nd >= (<int64_t>1 << 32):  # token offsets are uint32
             return None
-        cdef PieceCacheBox cache = pool.take()
+        cdef PieceCacheBox cache
         _u32_buffer(ids_buffer, &bi, True)
         try:
             _u32_buffer(cp_buffer, &bc, True)
@@ -791,14 +791,14 @@ cdef class RepairLane:
                 # An export of the text while the GIL is released: another thread resizing it meanwhile
                 # (a session shared without a lock) gets a BufferError, never freed memory under the lane.
                 _byte_buffer(text, &bt)
+                cache = pool.take()
                 try:
                     with nogil:
                         self.lane.edit(<const uint8_t*>bt.buf, n_old, n_old, n_old, <const uint8_t*>d, nd, C, window,
                                        window, cache.c[0], no_more, res)
                 finally:
+                    pool.give(cache)
                     PyBuffer_Release(&bt)
-                pool.give(cache)
-                cache = None
                 if res.status != 0:
                     return res.status, res.fresh
                 lm = res.mid.size()
@@ -822,8 +822,6 @@ cdef class RepairLane:
                 PyBuffer_Release(&bc)
         finally:
             PyBuffer_Release(&bi)
-            if cache is not None:
-                pool.give(cache)
 
 
 def token_start(ids, token_len, checkpoints, int64_t stride, int64_t k):
