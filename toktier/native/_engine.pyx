@@ -740,7 +740,6 @@ cdef class RepairLane:
             return 0, res.k1, res.k2, res.q, res.q2, res.fresh, first, B.n, B.n_cp, None
         return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid.data(), res.mid.size())
 
-
     def append_commit(self, CachePool pool, bytearray text, str data, ids_buffer, int64_t n, cp_buffer,
                       int64_t n_cp, int64_t stride, int64_t window, int64_t max_data_bytes):
         """A session append in one call: `data` (a str) appended to `text` (the session's UTF-8
