@@ -160,8 +160,10 @@ class NativeEngine:
         """`edit_lane`, then its splice written in place into the session's buffers (`RepairLane.edit_commit`):
         (status, k1, k2, left cut, right cut, fresh count, first changed, new n, new n_cp, mid)."""
         lane = self.lane()
-        # a big window is encoded in chunks, a thread (and a cache) per core
-        k = min(self.lane_threads, 1 + len(data) // LANE_CHUNK_BYTES)
+        # a big window is encoded in chunks, a thread (and a cache) per core; one under
+        # LANE_PARALLEL_MIN_BYTES stays on this thread, so it takes one cache
+        small = len(data) + 2 * window < LANE_PARALLEL_MIN_BYTES
+        k = 1 if small else min(self.lane_threads, 1 + len(data) // LANE_CHUNK_BYTES)
         caches = [self._take() for _ in range(k)]
         try:
             return lane.edit_commit(text, s, e, data, ids, n, checkpoints, n_cp, stride, window, window, caches)
