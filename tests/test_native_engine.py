@@ -144,6 +144,46 @@ def test_self_check_catches_a_wrong_engine(name):
     assert certify.self_check(tok, eng) is not None
 
 
+def _walk_starts(tok, ids: np.ndarray, data: bytes) -> list[int]:
+    """Each token's byte start, found by reading the text: a token covers whichever of its byte
+    strings the text holds there (o200k_harmony's id 200018 is two literals)."""
+    starts, pos = [], 0
+    for i in ids.tolist():
+        starts.append(pos)
+        spellings = {b for b in (tok.token_bytes[i], *tok.table.alternatives.get(i, ())) if data.startswith(b, pos)}
+        assert len(spellings) == 1, (i, data[pos:pos + 30])
+        pos += len(spellings.pop())
+    assert pos == len(data)
+    return starts
+
+
+def test_o200k_harmony_certifies_and_is_exact_with_every_literal(tally):
+    """gpt-oss's tokenizer: 1,091 literals, one id (200018) spelled two ways.  Certified (the
+    self-check reads that id's span from the text), and exact with every literal in context, the
+    two spellings side by side, a literal cut short, and in sessions that splice around them."""
+    tok = get_tokenizer("o200k_harmony")
+    assert tok.native is not None, tok.native_reason
+    assert tok.table.alternatives.keys() == {200018}
+    lits = sorted(tok.table.literal_ids)
+    texts = []
+    for k in range(0, len(lits), 64):
+        texts.append("".join(f"x{lit}y {lit}\n{lit}{lit} 12{lit}ab {lit[:-1]} " for lit in lits[k:k + 64]))
+    texts += ["<|endofprompt|><|reserved_200018|> <|reserved_200018|>x<|endofprompt|>\n<|reserved_20001",
+              "<|start|>assistant<|channel|>final<|message|>Hi<|return|><|start|>user<|message|>ok<|end|>"]
+    for text in texts:
+        ids, starts = tok.native.encode_with_starts(text)
+        ref = tok.engine.encode(text)
+        assert np.array_equal(ids, ref)
+        assert starts is None or starts.tolist() == _walk_starts(tok, ref, text.encode())
+        tally(tok, "ids", len(ref))
+    s = toktier.Session(tok, texts[-2] * 50)
+    for delta in ["more <|endofprompt|> text", "<|reserved_200018|>", " and plain words " * 40, "<|end|>\n"]:
+        s.append(delta)
+        assert s.ids.tolist() == tok.encode(s.text).tolist()
+    s.edit(10, 40, "<|reserved_200018|> edited <|endofprompt|>")
+    assert s.ids.tolist() == tok.encode(s.text).tolist()
+
+
 def _core_args(tok):
     from toktier import charclass
     from toktier.families import GPU_CLASS_PATTERNS

@@ -139,11 +139,34 @@ def self_check(tok, eng) -> str | None:
             diff = np.flatnonzero(got[:m] != want[:m])
             i = int(diff[0]) if len(diff) else m
             return f"self-check corpus: IDs differ from the reference at token {i} of {text[:40]!r}..."
-        lens = tok.token_len[want].astype(np.int64)
-        ref_starts = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(lens) else lens
+        ref_starts = _reference_starts(tok.table, want, text.encode("utf-8"))
+        if ref_starts is None:
+            return "self-check corpus: the reference's IDs do not tile the text with their byte strings"
         if starts is not None and not np.array_equal(starts, ref_starts):
-            return "self-check corpus: token byte offsets differ from the token lengths' prefix sums"
+            return "self-check corpus: token byte offsets differ from the reference's token spans"
     return None
+
+
+def _reference_starts(table, ids: np.ndarray, data: bytes) -> np.ndarray | None:
+    """Each token's byte start where the reference's `ids` encode `data`: the prefix sums of the
+    canonical lengths, except that an id the engine may emit for several byte strings (o200k_harmony's
+    200018 is both ``<|endofprompt|>`` and ``<|reserved_200018|>``) covers the one of them the text
+    holds there; None where that is not exactly one, or the spans do not tile `data`."""
+    lens = table.token_len[ids].astype(np.int64)
+    if not table.has_uncertain(ids):
+        return np.concatenate(([0], np.cumsum(lens)[:-1])) if len(lens) else lens
+    starts = np.zeros(len(ids), dtype=np.int64)
+    pos = 0
+    for k, i in enumerate(ids.tolist()):
+        starts[k] = pos
+        if not table.uncertain[i]:
+            pos += int(lens[k])
+            continue
+        fits = {b for b in (table.token_bytes[i], *table.alternatives.get(i, ())) if b and data.startswith(b, pos)}
+        if len(fits) != 1 or i in table.unknown:
+            return None
+        pos += len(fits.pop())
+    return starts if pos == len(data) else None
 
 
 def certify(tok, eng) -> str | None:
