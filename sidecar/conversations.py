@@ -261,7 +261,7 @@ class Conversations:
     ``on_result``, set by the server to count each result in its metrics (any thread)."""
 
     def __init__(self) -> None:
-        self._templates: OrderedDict[tuple[str, str], chat.ChatTemplate] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, str], chat.Renderer] = OrderedDict()
         self._lock = threading.Lock()
         self.live = 0
         self.ended_by_cause: dict[str, int] = {c.value: 0 for c in EndCause}
@@ -280,7 +280,7 @@ class Conversations:
             raise BadRequest(f"template of {n} bytes exceeds {P.MAX_TEMPLATE_BYTES} bytes")
         return ("source", hashlib.sha256(template.encode("utf-8", "surrogatepass")).hexdigest())
 
-    def template(self, tok: toktier.FrozenTokenizer, template: str | None) -> chat.ChatTemplate:
+    def template(self, tok: toktier.FrozenTokenizer, template: str | None) -> chat.Renderer:
         """Any thread: the compiled template (``template_for`` reads and compiles a file: kept)."""
         key = self.template_key(tok, template)
         with self._lock:

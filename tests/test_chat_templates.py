@@ -463,7 +463,7 @@ def test_message_objects_and_none_keys():
 # --------------------------------------------------------------------------- registry and errors
 
 
-@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "o200k_harmony", "deepseek_v4", "nope"])
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "deepseek_v4", "nope"])
 def test_missing_templates_say_why(name):
     with pytest.raises(ChatTemplateMissing) as info:
         chat.template_for(name)

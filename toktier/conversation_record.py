@@ -6,7 +6,7 @@ its record stores those, not the rendered text::
 
     magic "TTCR" | u16 version | u16 0 | u32 payload bytes        (12 bytes, little-endian)
     payload (msgpack map: tokenizer hash and name, namespace, conversation id, seq, op_key,
-             the template itself (source, special tokens, name), render kwargs, match,
+             the template itself (kind, source, special tokens, name), render kwargs, match,
              add_generation_prompt, stop_texts, track_drift, incremental, the messages,
              the runs as (message index, sampled uint32 IDs), the IDs' count and CRC-32)
     CRC-32 (u32) of everything before it
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from .chat import ChatTemplate
+from .chat import ChatTemplate, Renderer
 from .conversation import Conversation, ConversationState
 from .errors import TokTierError
 from .persist import CorruptRecord, ForeignRecord
@@ -89,6 +89,8 @@ class ConversationRecord(msgspec.Struct, frozen=True, kw_only=True):
     #: opaque here.
     template_ref: list[str] = []
     template_source: str
+    #: "jinja" (a `ChatTemplate` of `template_source`) or "harmony" (`toktier.harmony.HarmonyTemplate`).
+    template_kind: str = "jinja"
     template_special_tokens: dict[str, str] = {}
     template_name: str = "custom"
     template_origin: str = "given by the caller"
@@ -120,6 +122,7 @@ class ConversationRecord(msgspec.Struct, frozen=True, kw_only=True):
         ids = np.ascontiguousarray(ids, dtype="<u4")
         return cls(tokenizer_hash=tok.hash, tokenizer_name=tok.name, namespace=namespace, conversation=conversation,
                    seq=seq, op_key=op_key, template_ref=list(template_ref), template_source=t.source,
+                   template_kind=t.kind,
                    template_special_tokens=dict(t.special_tokens), template_name=t.name, template_origin=t.origin,
                    render_kwargs=dict(state.render_kwargs), match=state.match,
                    add_generation_prompt=state.add_generation_prompt, stop_texts=list(state.stop_texts),
@@ -127,22 +130,31 @@ class ConversationRecord(msgspec.Struct, frozen=True, kw_only=True):
                    runs=[(int(k), np.ascontiguousarray(s, dtype="<u4").tobytes()) for k, s in state.runs],
                    count=len(ids), ids_crc=zlib.crc32(ids.data))
 
-    def template(self) -> ChatTemplate:
+    def template(self) -> Renderer:
         """The recorded template, compiled (a server may reuse its own compiled copy when
-        `template_source` and `template_special_tokens` equal it)."""
+        `template_kind`, `template_source` and `template_special_tokens` equal it)."""
+        if self.template_kind == "harmony":
+            from .harmony import HarmonyTemplate
+
+            if self.template_source != HarmonyTemplate.source:
+                raise ForeignRecord(f"record renders with {self.template_source!r}, which this build does not have")
+            return HarmonyTemplate(name=self.template_name, origin=self.template_origin)
+        if self.template_kind != "jinja":
+            raise ForeignRecord(f"record renders with a {self.template_kind!r} template, which this build does "
+                                "not have")
         return ChatTemplate(self.template_source, self.template_special_tokens, name=self.template_name,
                             origin=self.template_origin)
 
-    def state(self, template: ChatTemplate | None = None) -> ConversationState:
+    def state(self, template: Renderer | None = None) -> ConversationState:
         """The recorded state; ``template`` (equal to the recorded one) saves compiling it."""
-        if template is None or template.source != self.template_source \
+        if template is None or template.kind != self.template_kind or template.source != self.template_source \
                 or dict(template.special_tokens) != self.template_special_tokens:
             template = self.template()
         runs = tuple((k, np.frombuffer(s, dtype="<u4").astype(np.uint32)) for k, s in self.runs)
         return ConversationState(template, self.render_kwargs, self.match, self.add_generation_prompt,
                                  tuple(self.stop_texts), self.track_drift, self.incremental, tuple(self.messages), runs)
 
-    def restore(self, tok: FrozenTokenizer, *, template: ChatTemplate | None = None,
+    def restore(self, tok: FrozenTokenizer, *, template: Renderer | None = None,
                 full_path: FullPath | None = None) -> Conversation:
         """The conversation again (`Conversation.replay`), its IDs checked against the recorded
         count and CRC-32 (:class:`ReplayMismatch` when they differ); ForeignRecord when ``tok``

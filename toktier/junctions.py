@@ -86,7 +86,7 @@ def derive_junction(template: ChatTemplate, tokenizer: FrozenTokenizer, *, stop_
     eos = template.special_tokens.get("eos_token")
     # Candidates: the config's eos and the caller's stops first, then added tokens, longest first
     # (a literal whose text starts with a shorter one must win).
-    preferred = [s for s in (eos, *stop_texts) if s]
+    preferred = [s for s in dict.fromkeys((eos, *template.generation_stops, *stop_texts)) if s]
     others = sorted((lit for lit in literals if lit not in preferred), key=len, reverse=True)
 
     def leading(text: str) -> str | None:

@@ -363,6 +363,41 @@ def test_template_missing_is_typed(start_sidecar, toks):
         assert named.append_messages([{"role": "user", "content": "hi"}]).messages == 1
 
 
+def test_gpt_oss_conversations_render_through_harmony(start_sidecar, registry):
+    """o200k_harmony's registered renderer is openai-harmony's (toktier.harmony) on the wire too:
+    text ops equal the reference encoding of harmony's render, sampled turns (analysis + tool call
+    to `<|call|>`, then a final answer to `<|return|>`) equal the in-process conversation, the
+    render options travel, and a fork branches."""
+    oh = pytest.importorskip("openai_harmony", reason="pip install 'toktier[harmony]'")
+    sc = start_sidecar(tokenizers=("llama3", "o200k_harmony"))
+    assert oh is not None
+    tok = registry.load("o200k_harmony")
+    template = chat.template_for("o200k_harmony")
+    kw = {"tools": TOOLS, "reasoning_effort": "high"}
+    local = toktier.Conversation(tok, **kw)
+    prompt = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "6*7? 🙂 <|end|>"}]
+
+    def sampled(text: str) -> list[int]:
+        return tok.encode(text).tolist()
+
+    with Client(sc.path) as c:
+        h = c.conversation("gpt-oss", tokenizer="o200k_harmony", **kw)
+        same(h.append_messages(prompt), local.append_messages(prompt), tok, template, prompt, **kw)
+        call = sampled("<|channel|>analysis<|message|>Use calc.<|end|><|start|>assistant<|channel|>commentary "
+                       "to=functions.calc <|constrain|>json<|message|>{\"expr\":\"6*7\"}<|call|>")
+        results = [{"role": "tool", "name": "calc", "content": "42"}]
+        same(h.append_generated(call, then=results), local.append_generated(call, then=results))
+        final = sampled("<|channel|>final<|message|>42.<|return|>")
+        wire = h.append_generated(final)
+        same(wire, local.append_generated(final))
+        assert wire.drift is not None  # the re-render closes turns with <|end|> and orders the header otherwise
+        branch = h.fork("gpt-oss-b")
+        same_state(branch.last, local)
+        more = [{"role": "user", "content": "And 7*8?"}]
+        same(branch.append_messages(more), local.fork().append_messages(more))
+        assert h.close() and branch.close()
+
+
 def test_bad_frames_are_bad_requests_naming_the_field(sc):
     r = Raw(sc.path)
     bodies = [
