@@ -523,3 +523,45 @@ def test_the_vocab_file_is_written_from_the_bundled_one(tmp_path, monkeypatch):
     assert harmony._sha256(path) == harmony.O200K_SHA256
     path.write_bytes(b"damaged")
     assert harmony._sha256(harmony._vocab_dir() / harmony.O200K_FILE) == harmony.O200K_SHA256
+
+
+PLAIN_HEADERS = ["<|channel|>final", "<|channel|>analysis", "<|channel|>commentary", "assistant<|channel|>final",
+                 " to=functions.f<|channel|>commentary",
+                 "<|channel|>commentary to=functions.get_weather <|constrain|>json",
+                 "<|channel|>commentary to=functions.x json", "<|channel|>commentary to=functions.x<|constrain|>json"]
+ODD_HEADERS = ["<|channel|>commentary to=browser.search", "<|channel|>final json",
+               "<|channel|>commentary <|constrain|>json",
+               "<|channel|>other", "<|channel|>commentary  to=functions.x",
+               "to=functions.a<|channel|>commentary to=functions.b", "<|channel|>", "", "user<|channel|>final"]
+HEADERS = PLAIN_HEADERS * 3 + ODD_HEADERS  # (mostly plain: the fast reading must be exercised)
+BODIES = ["", "Hi", "x = 1\n", "{\"a\": [1, 2]}", "日本 🙂", "two\n\nlines", " to=functions.z"] * 3 \
+    + ["<|end|>", "<|start|>"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.tuples(st.sampled_from(HEADERS), st.sampled_from(BODIES)), min_size=1, max_size=4),
+       joiner=st.sampled_from(["<|end|><|start|>assistant"] * 4 + ["<|end|><|start|>", "<|end|>",
+                                                                    "<|call|><|start|>assistant"]),
+       tail=st.sampled_from(["", "", "", "<|end|>", "<|end|><|start|>assistant"]))
+def test_plain_turns_are_read_as_the_library_parses_them(template, parts, joiner, tail):
+    """The fast reading of plain sampled turns (`_plain_turn`) gives the message the library's
+    parser gives, on plain shapes and on every variant it must leave to the library."""
+    text = parts[0][0] + "<|message|>" + parts[0][1]
+    for header, body in parts[1:]:
+        h = header if header.startswith(("assistant", "user")) or joiner.endswith("assistant") else "assistant" + header
+        text += joiner + (h if not joiner.endswith("assistant") else h.removeprefix("assistant")) \
+            + "<|message|>" + body
+    text += tail
+    ids = harmony._library().encoding.encode(text, allowed_special="all")
+    assert template.generated_message(text, ids) == template.generated_message(text, ids, fast=False)
+
+
+def test_plain_turns_take_the_fast_reading(template):
+    lib = harmony._library()
+    for text in ["<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b",
+                 "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}"]:
+        ids = lib.encoding.encode(text, allowed_special="all")
+        assert harmony._plain_turn(lib, ids, text) is not None
+    # IDs that are not the text's (another vocabulary): the library reads the text
+    ids = lib.encoding.encode("<|channel|>final<|message|>b", allowed_special="all")
+    assert harmony._plain_turn(lib, ids, "<|channel|>final<|message|>c") is None
