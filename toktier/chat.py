@@ -31,7 +31,7 @@ by sha256 here and in the scripts.  `template_for(tokenizer)` returns the templa
 registered for a bundled tokenizer, or raises `ChatTemplateMissing` saying how to get
 one; a caller may always pass their own template string.  gpt-oss (``o200k_harmony``,
 ``"gpt_oss"``) has no Jinja template: `toktier.harmony.HarmonyTemplate` renders its harmony
-format with OpenAI's `openai-harmony`; both are `Renderer`s, which is all a conversation needs.
+format with OpenAI's `openai-harmony`; both are `toktier.renderer.Renderer`s, all a conversation needs.
 
 Design notes for `Conversation` (issue 17, point 2)
 ---------------------------------------------------
@@ -77,9 +77,7 @@ what the conversation stores and compares.
 
 from __future__ import annotations
 
-import abc
 import contextvars
-import dataclasses
 import hashlib
 import json
 import os
@@ -90,74 +88,27 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 
 from .errors import ChatTemplateError, ChatTemplateMissing, InvalidChatInput
+from .renderer import REASONING_FIELDS, Messages, Renderer, _plain, _prepare_messages, prepare_messages
+
+__all__ = ["REASONING_FIELDS", "BoundTemplate", "ChatTemplate", "Messages", "Renderer", "TemplateSource",
+           "prepare_messages", "render", "template_for", "template_names"]
 
 if TYPE_CHECKING:
     from .registry import FrozenTokenizer
 
 #: Named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-#: Names a message's reasoning is passed under; templates read the first, gpt-oss's `thinking`.
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REASONING_KEYS = frozenset(REASONING_FIELDS)
 #: transformers marks the text to continue with this tag, then cuts the render at it.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 #: jinja2 releases before 3.1.6 have known sandbox escapes (transformers refuses them too).
 _MIN_JINJA2 = (3, 1, 6)
 
-Messages = Sequence[Mapping[str, Any]]
 
 
 # --------------------------------------------------------------------------- rendering
-
-
-class Renderer(abc.ABC):
-    """What a conversation needs of a chat format: a Jinja `ChatTemplate`, or gpt-oss's harmony
-    renderer (`toktier.harmony.HarmonyTemplate`).
-
-    Attributes: `name`, `origin`, `source` (what identifies the renderer: the Jinja source),
-    `special_tokens` (named tokens: `eos_token` is the junction probe's first stop candidate),
-    `kind` ("jinja" or "harmony": how a conversation record rebuilds it) and `generation_stops`
-    (stop texts the format itself declares besides eos).
-    """
-
-    kind: ClassVar[str]
-    generation_stops: ClassVar[tuple[str, ...]] = ()
-    name: str
-    origin: str
-    source: str
-    special_tokens: Mapping[str, str]
-
-    @abc.abstractmethod
-    def render(self, messages: Messages, *, add_generation_prompt: bool = False,
-               continue_final_message: bool | str = False, tools: Sequence[Mapping[str, Any]] | None = None,
-               documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
-        """The rendered text of `messages`."""
-
-    @abc.abstractmethod
-    def render_prepared(self, messages: list[dict], *, add_generation_prompt: bool = False,
-                        tools: Sequence[Mapping[str, Any]] | None = None,
-                        documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
-        """`render` of a list `prepare_messages` returned."""
-
-    @abc.abstractmethod
-    def bind(self, *, tools: Sequence[Mapping[str, Any]] | None = None,
-             documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> Any:
-        """The renderer with its arguments prepared once: ``bound(messages, add_generation_prompt)``
-        renders a prepared list; ``bound.both(messages)`` gives (with the prompt, without it) from
-        one render, or None where that is not proven."""
-
-    @abc.abstractmethod
-    def generated_message(self, text: str, ids: Sequence[int] | None = None) -> dict:
-        """The assistant message a sampled turn's decoded text (without its stop) stands for;
-        `ids`: the sampled IDs of that text, where known (a parser may read them instead)."""
-
-    def marker_message(self, recorded: Mapping[str, Any], marker: str) -> dict:
-        """The message that stands for a sampled turn (recorded as `recorded`) in the marked
-        renders of a token-in conversation: an assistant message whose content is `marker`."""
-        return {"role": "assistant", "content": marker}
 
 
 @dataclass(frozen=True, eq=False)
@@ -685,48 +636,6 @@ def _environment_class(jinja2: types.ModuleType) -> Any:
     return Environment
 
 
-def prepare_messages(messages: Messages) -> list[dict]:
-    """`messages` as every render prepares them (dicts of plain JSON types, None-valued keys
-    dropped; reasoning not yet aliased), for keeping and comparing (`toktier.conversation`).
-    Unlike `render`, an empty list is allowed; preparing twice changes nothing."""
-    if isinstance(messages, (list, tuple)) and len(messages) == 0:
-        return []
-    return _plain(_prepare_messages(messages))
-
-
-def _to_dicts(value: Any) -> Any:
-    # Message objects (dataclasses, pydantic models such as the OpenAI SDK's) become dicts.
-    if value is None or type(value) in _LEAF_TYPES:  # (most values: no dataclass or model_dump probe)
-        return value
-    if isinstance(value, Mapping):
-        return {k: _to_dicts(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_dicts(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_dicts(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _to_dicts(value.model_dump())
-    return value
-
-
-def _prepare_messages(messages: Messages) -> list[dict]:
-    messages = getattr(messages, "messages", messages)
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise InvalidChatInput(f"messages is a list of message dicts, got {type(messages).__name__}")
-    if len(messages) == 0:
-        raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
-    chat = []
-    for message in _to_dicts(list(messages)):
-        if not isinstance(message, dict):
-            raise InvalidChatInput(f"each message is a dict (or a dataclass / pydantic model), got {message!r}")
-        # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not a None.
-        chat.append({k: v for k, v in message.items() if v is not None})
-    return chat
-
-
-
 def _mappings(items: Sequence[Mapping[str, Any]] | None, what: str) -> list[Any] | None:
     """`items` as plain JSON-like dicts (None stays None); `InvalidChatInput` saying `what` they must be."""
     if items is None:
@@ -735,36 +644,6 @@ def _mappings(items: Sequence[Mapping[str, Any]] | None, what: str) -> list[Any]
         if not isinstance(item, Mapping):
             raise InvalidChatInput(f"{what}; got {type(item).__name__}")
     return _plain(list(items))
-
-#: Exact types `_to_dicts` and `_plain` return as they are.
-_LEAF_TYPES = frozenset({str, int, float, bool})
-
-
-def _plain(value: Any) -> Any:
-    # Everything the sandboxed template sees is rebuilt from plain JSON types: subclasses and
-    # rich objects carry methods the sandbox does not know to be unsafe.
-    if value is None or type(value) in _LEAF_TYPES:
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, np.generic):
-        return _plain(value.item())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"  # media objects: templates test presence, never read them
-
 
 def _alias_reasoning(chat: list[dict]) -> list[dict]:
     out = []

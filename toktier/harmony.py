@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from . import chat
+from . import renderer
 from .errors import ChatTemplateError, ChatTemplateMissing, InvalidChatInput
 
 #: The openai-harmony release whose conversation assembly this module reproduces (pinned by the
@@ -183,7 +183,7 @@ def _library() -> _Library:
 
 
 @dataclass(frozen=True, eq=False)
-class HarmonyTemplate(chat.Renderer):
+class HarmonyTemplate(renderer.Renderer):
     """gpt-oss's chat format through openai-harmony (module docstring).  Immutable; the library
     and its encoding load on first use (`ChatTemplateMissing` when it is not installed)."""
 
@@ -198,7 +198,7 @@ class HarmonyTemplate(chat.Renderer):
         {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"})
     generation_stops: ClassVar[tuple[str, ...]] = ("<|return|>", "<|call|>")
 
-    def render(self, messages: chat.Messages, *, add_generation_prompt: bool = False,
+    def render(self, messages: renderer.Messages, *, add_generation_prompt: bool = False,
                continue_final_message: bool | str = False, tools: Sequence[Mapping[str, Any]] | None = None,
                documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
         """The rendered text (the decoding of what openai-harmony renders; with the generation
@@ -206,7 +206,7 @@ class HarmonyTemplate(chat.Renderer):
         if continue_final_message:
             raise InvalidChatInput("harmony has no continue_final_message: a gpt-oss turn is continued by "
                                    "appending its sampled tokens (Conversation.append_generated)")
-        return self.bind(tools=tools, documents=documents, **kwargs)(chat.prepare_messages(messages),
+        return self.bind(tools=tools, documents=documents, **kwargs)(renderer.prepare_messages(messages),
                                                                       add_generation_prompt)
 
     def render_prepared(self, messages: list[dict], *, add_generation_prompt: bool = False,
@@ -421,7 +421,7 @@ class HarmonyBound:
         message) always precedes, so never after a cut; else: when the new messages bring the
         first final part, the new analysis parts before it are dropped, and when they change
         whether the old analysis messages are dropped, the answer is None."""
-        from .render_window import Appended  # (render_window imports chat; this module is chat's peer)
+        from .render_window import Appended
 
         if not (self._lib.assembles and old and added):
             return None
@@ -641,7 +641,7 @@ class HarmonyBound:
             raise InvalidChatInput(f"harmony renders the roles system, developer, user, assistant and tool; "
                                    f"got {role!r}")
         out = []
-        reasoning = next((message[k] for k in chat.REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = next((message[k] for k in renderer.REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, _as_text(reasoning, "reasoning"))
                        .with_channel("analysis"))

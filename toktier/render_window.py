@@ -88,7 +88,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .chat import REASONING_FIELDS, ChatTemplate
+from .renderer import REASONING_FIELDS, Renderer
 from .errors import ChatTemplateError, InvalidChatInput
 from .text_diff import match_forward
 
@@ -508,7 +508,7 @@ class Locality:
     """The probe's verdicts for one template, render arguments and generation-prompt setting,
     filled in per message kind and head scheme on first use (thread-safe)."""
 
-    def __init__(self, template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> None:
+    def __init__(self, template: Renderer, render_kwargs: Mapping[str, Any], gp: bool) -> None:
         self.template, self.render_kwargs, self.gp = template, dict(render_kwargs), gp
         self._verdicts: dict[tuple[Kind, int], bool] = {}
         self._lock = threading.Lock()
@@ -652,7 +652,7 @@ _CACHE_SIZE = 64
 _LOCK = threading.Lock()
 
 
-def locality(template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
+def locality(template: Renderer, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
     """The (shared, lazily probed) `Locality` of `template` with `render_kwargs` and generation
     prompt `gp`: kept in a small LRU keyed by what the verdicts are a function of."""
     key = hashlib.sha256(json.dumps([template.source, dict(template.special_tokens), gp, WINDOW, STEP, STATE_STEP,
@@ -668,6 +668,6 @@ def locality(template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool)
         return hit
 
 
-def probe_locality(template: ChatTemplate, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
+def probe_locality(template: Renderer, render_kwargs: Mapping[str, Any], gp: bool) -> Locality:
     """`locality(...)` with every kind of the probe catalog decided."""
     return locality(template, render_kwargs, gp).probe_all()
