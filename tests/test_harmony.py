@@ -398,8 +398,8 @@ def check(conv: Conversation, result, tally) -> None:
     """The IDs equal the reference encoding of the full render, and between special tokens every
     pre-tokenizer piece of the pattern (the `regex` module: a third engine) starts at a token start."""
     tok = conv.tokenizer
-    text = conv.template.render(list(conv.messages), add_generation_prompt=True, **conv.render_kwargs) \
-        if conv.messages else ""
+    text = conv.template.render(list(conv.messages), add_generation_prompt=conv.add_generation_prompt,
+                                **conv.render_kwargs) if conv.messages else ""
     ref = tok.encode(text).tolist()
     assert result.ids.tolist() == conv.ids.tolist() == ref and result.text == conv.text == text
     assert result.drift is None
@@ -421,12 +421,13 @@ def check(conv: Conversation, result, tally) -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
-@given(case=conversations(), cuts=st.lists(st.integers(1, 9), min_size=1, max_size=4))
-def test_text_only_ops_equal_the_reference(tok, template, case, cuts, tally):
-    """Appends in batches (windowed where the probe allows), an edit of the first message and a
-    rollback, each checked against the reference encoding of the full render (IDs and pieces)."""
+@given(case=conversations(), cuts=st.lists(st.integers(1, 9), min_size=1, max_size=4), agp=st.booleans())
+def test_text_only_ops_equal_the_reference(tok, template, case, cuts, agp, tally):
+    """Appends in batches (through the exact appender where the drop rule allows), an edit of the
+    first message and a rollback, each checked against the reference encoding of the full render
+    (IDs and pieces), with and without the generation prompt."""
     messages, options = case
-    conv = Conversation(tok, **options)
+    conv = Conversation(tok, add_generation_prompt=agp, **options)
     done = 0
     for n in cuts:
         if done >= len(messages):
