@@ -64,7 +64,7 @@ def whole(bound):
     """The same bound renderer, rendering through the library's whole-conversation call."""
     other = copy.copy(bound)
     object.__setattr__(other, "_lib", dataclasses.replace(bound._lib, release="0.0.0"))
-    other._memo = type(bound._memo)()
+    other._memo, other._memo_chars, other._last, other._ids = type(bound._memo)(), 0, [], []
     return other
 
 
@@ -566,3 +566,68 @@ def test_plain_turns_take_the_fast_reading(template):
     # IDs that are not the text's (another vocabulary): the library reads the text
     ids = lib.encoding.encode("<|channel|>final<|message|>b", allowed_special="all")
     assert harmony._plain_turn(lib, ids, "<|channel|>final<|message|>c") is None
+
+
+def test_the_memo_shares_message_texts_and_is_bounded(tok, template, monkeypatch, tally):
+    """A memo entry holds its message's own text object (no copy); the memo stays under its
+    character bound (what it keeps alive after a rollback), and a conversation larger than the
+    bound is still exact."""
+    monkeypatch.setattr(harmony, "MEMO_CHARS", 20_000)
+    conv = Conversation(tok, tools=TOOLS)
+    conv.append_messages([{"role": "user", "content": "go"}])
+    for i in range(40):
+        conv.append_messages([{"role": "assistant", "reasoning_content": f"step {i}", "content": "",
+                               "tool_calls": [{"id": f"c{i}", "type": "function",
+                                               "function": {"name": "lookup", "arguments": "{}"}}]},
+                              {"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i} " * 300}])
+        if i % 10 == 9:
+            conv.append_messages([{"role": "assistant", "content": f"Answer {i}."},
+                                  {"role": "user", "content": "more"}])
+    check(conv, conv.rollback(20), tally)
+    check(conv, conv.append_messages([{"role": "user", "content": "again"}]), tally)
+    bound = conv._bound
+    assert bound._memo_chars <= 20_000 + 4_000  # (the newest entry may exceed it alone)
+    assert bound._memo_chars == sum(size for _, _, size in bound._memo.values())
+    user = chat.prepare_messages([{"role": "user", "content": "x" * 5_000}])[0]
+    pieces = bound._rendered(user, False, None)[0][2]
+    assert any(piece is user["content"] for piece in pieces)  # shared, not copied
+
+
+def test_forks_appended_from_threads_stay_exact(tok, template):
+    """Forks share their renderer's caches; ops on them from several threads stay exact."""
+    import sys
+    import threading
+
+    base = Conversation(tok, tools=TOOLS)
+    base.append_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    forks = [base.fork() for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def work(k: int, conv: Conversation) -> None:
+        try:
+            for i in range(25):
+                final = (i + k) % 5 == 0
+                msg = ({"role": "assistant", "reasoning_content": f"r{k}{i}", "content": f"done {k}.{i}"}
+                       if final else
+                       {"role": "assistant", "reasoning_content": f"r{k}{i}", "content": "",
+                        "tool_calls": [{"id": f"k{k}c{i}", "type": "function",
+                                        "function": {"name": "lookup", "arguments": {"q": i}}}]})
+                after = [{"role": "user", "content": f"next {i}"}] if final else \
+                    [{"role": "tool", "tool_call_id": f"k{k}c{i}", "content": f"out {k} {i}"}]
+                r = conv.append_messages([msg, *after])
+                ref = tok.encode(template.render(list(conv.messages), add_generation_prompt=True, tools=TOOLS))
+                assert r.ids.tolist() == ref.tolist()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k, c)) for k, c in enumerate(forks)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]

@@ -92,8 +92,11 @@ O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d
 OPTIONS = ("reasoning_effort", "model_identity", "knowledge_cutoff", "conversation_start_date", "auto_drop_analysis")
 EFFORTS = ("low", "medium", "high")
 GENERATION_PROMPT = "<|start|>assistant"
-#: Per-message renders a bound template keeps (each holds its message's text once).
+#: Per-message renders a bound template keeps.  An entry holds its message (its text is shared,
+#: not copied), which outlives the conversation's own reference after a rollback or an edit: so
+#: the memo is bounded in entries and in the characters of the messages it holds (LRU out).
 MEMO_ENTRIES = 8192
+MEMO_CHARS = 1 << 23
 
 _INSTALL = "pip install 'toktier[harmony]' (openai-harmony==" + HARMONY_RELEASE + ")"
 _ENV_LOCK = threading.Lock()
@@ -356,8 +359,8 @@ class HarmonyBound:
     system message and the tools are built here, and each message's render is kept (keyed by
     the message object, which a conversation never changes; bounded, least recently used out)."""
 
-    __slots__ = ("template", "_lib", "_system", "_system_content", "_tools", "_has_tools", "_drop", "_memo", "_lock",
-                 "_last", "_ids", "_frames")
+    __slots__ = ("template", "_lib", "_system", "_system_content", "_tools", "_has_tools", "_drop", "_memo",
+                 "_memo_chars", "_lock", "_last", "_ids", "_frames")
 
     def __init__(self, template: HarmonyTemplate, tools: Sequence[Mapping[str, Any]] | None,
                  documents: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any]) -> None:
@@ -389,15 +392,16 @@ class HarmonyBound:
                     raise InvalidChatInput(f"{key} is a string, got {type(value).__name__}")
                 system = getattr(system, method)(value)
         self._system_content = system
-        self._system = self._text(self._system_message())
-        self._memo: collections.OrderedDict[tuple, tuple[dict, tuple[tuple[bool, str | None, str], ...]]] = \
-            collections.OrderedDict()
-        self._lock = threading.Lock()
+        # (id, first, tool name) -> (message, its parts: (is assistant, channel, text pieces), characters)
+        self._memo: collections.OrderedDict[tuple, tuple[dict | None, tuple, int]] = collections.OrderedDict()
+        self._memo_chars = 0
+        self._lock = threading.RLock()
         # The drop rule's state after the last two lists `_summary` saw (a conversation's next
         # list extends one: its live tail or its drift reference), and the same for `_call_index`.
         self._last: list[tuple[list[dict], _DropState]] = []
         self._ids: list[tuple[list[dict], dict[str, str]]] = []
         self._frames: dict[tuple, tuple[str, str]] = {}  # `_text`'s headers and closers (few per conversation)
+        self._system = "".join(self._text(self._system_message()))
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool) -> str:
         with_prompt, without = self._assemble(messages)
@@ -421,10 +425,15 @@ class HarmonyBound:
         message) always precedes, so never after a cut; else: when the new messages bring the
         first final part, the new analysis parts before it are dropped, and when they change
         whether the old analysis messages are dropped, the answer is None."""
-        from .render_window import Appended
-
         if not (self._lib.assembles and old and added):
             return None
+        with self._lock:  # (forks share this object and its caches, perhaps from several threads)
+            return self._append(old, added, stored, end, gp, cut)
+
+    def _append(self, old: list[dict], added: list[dict], stored: Any, end: int | None, gp: bool,
+                cut: Any) -> Any:
+        from .render_window import Appended
+
         n = len(stored)
         if end is None:
             if gp and not stored.endswith(GENERATION_PROMPT):
@@ -442,7 +451,7 @@ class HarmonyBound:
             if dropping and before.first_final is None:  # the first final part is new: drop the analysis before it
                 first = next(i for i, (_, ch, _) in enumerate(parts) if ch == "final")
                 parts = [p for i, p in enumerate(parts) if not (i < first and p[1] == "analysis")]
-        text = "".join(t for _, _, t in parts)
+        text = "".join(piece for _, _, pieces in parts for piece in pieces)
         return Appended(end, text + GENERATION_PROMPT if gp else text, end + len(text), True)
 
     def _summary(self, messages: list[dict]) -> _DropState:
@@ -501,8 +510,8 @@ class HarmonyBound:
         last_final = next((ch == "final" for assistant, ch, _ in reversed(parts) if assistant), False)
         first_final = next((i for i, (_, ch, _) in enumerate(parts) if ch == "final"), None)
         drop = self._drop and last_final and first_final is not None
-        text = self._system + "".join(t for i, (_, ch, t) in enumerate(parts)
-                                      if not (drop and i < first_final and ch == "analysis"))
+        text = self._system + "".join(piece for i, (_, ch, pieces) in enumerate(parts)
+                                      if not (drop and i < first_final and ch == "analysis") for piece in pieces)
         return text + GENERATION_PROMPT, text
 
     def _whole(self, parts: list[tuple[bool, str | None, Any]]) -> tuple[str, str]:
@@ -584,17 +593,21 @@ class HarmonyBound:
         else:
             parts = tuple((m.author.role == self._lib.oh.Role.ASSISTANT, m.channel, m) for m in harmony)
         with self._lock:
-            self._memo[key] = (message, parts)  # (the message is kept: its id cannot be reused meanwhile)
-            while len(self._memo) > MEMO_ENTRIES:
-                self._memo.popitem(last=False)
+            size = sum(len(p) for _, _, pieces in parts for p in pieces) if self._lib.assembles else 0
+            old = self._memo.pop(key, None)
+            self._memo_chars += size - (old[2] if old is not None else 0)
+            self._memo[key] = (message, parts, size)  # (the message is kept: its id cannot be reused meanwhile)
+            while len(self._memo) > 1 and (len(self._memo) > MEMO_ENTRIES or self._memo_chars > MEMO_CHARS):
+                self._memo_chars -= self._memo.popitem(last=False)[1][2]
         return parts
 
-    def _text(self, message: Any, opts: Any = None) -> str:
-        """The decoded render of one harmony message.  A message of one text content is the
-        library's render of its header with an empty text, the text spliced in before the closing
-        token: the library renders a text by encoding it and the decoding gives it back, so
-        this is its own render without tokenizing the text (a tool output of 2K characters took
-        0.25 ms); headers are kept per (role, name, recipient, channel, content type)."""
+    def _text(self, message: Any, opts: Any = None) -> tuple[str, ...]:
+        """The decoded render of one harmony message, in pieces that join to it.  A message of one
+        text content is the library's render of its header with an empty text, then the text
+        itself (the message's own str object: a memo entry holds no copy of it), then the
+        closing token: the library renders a text by encoding it and the decoding gives it back,
+        so this is its own render without tokenizing the text (a tool output of 2K characters
+        took 0.25 ms); headers are kept per (role, name, recipient, channel, content type)."""
         oh, enc = self._lib.oh, self._lib.encoding
         if opts is None:
             opts = oh.RenderOptions(conversation_has_function_tools=self._has_tools)
@@ -607,10 +620,10 @@ class HarmonyBound:
                                                      opts))
                 closer = next((c for c in _CLOSERS if empty.endswith(c)), None)
                 if closer is None:  # (every message ends with one: render it whole)
-                    return enc.decode_utf8(self._render(message, opts))
+                    return (enc.decode_utf8(self._render(message, opts)),)
                 frame = self._frames[key] = (empty[:-len(closer)], closer)
-            return frame[0] + content[0].text + frame[1]
-        return enc.decode_utf8(self._render(message, opts))
+            return frame[0], content[0].text, frame[1]
+        return (enc.decode_utf8(self._render(message, opts)),)
 
     def _render(self, message: Any, opts: Any) -> list[int]:
         try:
