@@ -275,6 +275,33 @@ def test_options_survive_the_restart(start_sidecar, tmp_path, toks):
         same(again.append_messages(MORE), local.append_messages(MORE))
 
 
+def test_gpt_oss_conversation_outlives_a_restart(start_sidecar, tmp_path, registry):  # noqa: F811
+    """A harmony conversation's record names its renderer (kind "harmony"); after a restart it
+    replays through openai-harmony to the same IDs, runs and drift."""
+    pytest.importorskip("openai_harmony", reason="pip install 'toktier[harmony]'")
+    state = tmp_path / "state"
+    sc = start_sidecar(tokenizers=("o200k_harmony",), state_dir=str(state), state_flush_delay=0.01)
+    tok = registry.load("o200k_harmony")
+    kw = {"tools": TOOLS, "reasoning_effort": "low"}
+    local = toktier.Conversation(tok, **kw)
+    first = [{"role": "user", "content": "6*7?"}]
+    call = tok.encode("<|channel|>commentary to=functions.calc <|constrain|>json<|message|>{\"expr\":\"6*7\"}<|call|>")
+    results = [{"role": "tool", "name": "calc", "content": "42"}]
+    with Client(sc.path) as c:
+        h = c.conversation("oss", tokenizer="o200k_harmony", **kw)
+        same(h.append_messages(first), local.append_messages(first))
+        wire = h.append_generated(call, then=results)
+        same(wire, local.append_generated(call, then=results))
+        rec = wait_for_conv_record(state, "oss", wire.seq)
+        assert rec.template_kind == "harmony"
+    sc.restart()
+    with Client(sc.path) as c:
+        again = c.conversation("oss", tokenizer="o200k_harmony", **kw)
+        assert np.array_equal(again.last.ids, local.ids) and again.last.drift == local.drift
+        more = [{"role": "user", "content": "And 6*8?"}]
+        same(again.append_messages(more), local.append_messages(more))
+
+
 @pytest.mark.parametrize("cause", ["ttl", "memory"])
 def test_an_ended_conversation_loses_its_record(start_sidecar, tmp_path, cause):
     """As for sessions: a conversation that ends here (TTL, eviction for memory) has no record
