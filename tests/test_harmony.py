@@ -504,6 +504,22 @@ def test_names_and_errors_say_where_it_comes_from():
         chat.render([{"role": "user", "content": "x"}], "gpt_oss")
 
 
+def test_a_harmony_record_on_a_server_without_the_package_is_a_foreign_record(tok, monkeypatch):
+    from toktier.persist import ForeignRecord
+
+    conv = Conversation(tok)
+    conv.append_messages([{"role": "user", "content": "hi"}])
+    data = encode_conversation_record(ConversationRecord.of(conv, tok, namespace=1, conversation="c", seq=1))
+    monkeypatch.setitem(__import__("sys").modules, "openai_harmony", None)
+    harmony._library.cache_clear()
+    try:
+        with pytest.raises(ForeignRecord, match="openai-harmony"):
+            decode_conversation_record(data).restore(tok)
+    finally:
+        monkeypatch.undo()
+        harmony._library.cache_clear()
+
+
 def test_without_the_package_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "openai_harmony", None)  # import fails
     harmony._library.cache_clear()

@@ -53,7 +53,7 @@ import numpy as np
 
 from .chat import ChatTemplate, Renderer
 from .conversation import Conversation, ConversationState
-from .errors import TokTierError
+from .errors import ChatTemplateMissing, TokTierError
 from .persist import CorruptRecord, ForeignRecord
 
 if TYPE_CHECKING:
@@ -134,10 +134,14 @@ class ConversationRecord(msgspec.Struct, frozen=True, kw_only=True):
         """The recorded template, compiled (a server may reuse its own compiled copy when
         `template_kind`, `template_source` and `template_special_tokens` equal it)."""
         if self.template_kind == "harmony":
-            from .harmony import HarmonyTemplate
+            from .harmony import HarmonyTemplate, _library
 
             if self.template_source != HarmonyTemplate.source:
                 raise ForeignRecord(f"record renders with {self.template_source!r}, which this build does not have")
+            try:
+                _library()
+            except ChatTemplateMissing as exc:  # a server without openai-harmony: a miss, as any foreign record
+                raise ForeignRecord(f"record renders with openai-harmony: {exc}") from exc
             return HarmonyTemplate(name=self.template_name, origin=self.template_origin)
         if self.template_kind != "jinja":
             raise ForeignRecord(f"record renders with a {self.template_kind!r} template, which this build does "
