@@ -300,7 +300,10 @@ class Model:
 
     def generate(self, completion: str, then=None, stop: str | None = "<|return|>"):
         """gpt-oss's sampled turn: `completion` as harmony's encoder spells it, then its stop."""
-        ids = harmony._library().encoding.encode(completion + (stop or ""), allowed_special="all")
+        return self.generate_ids(harmony._library().encoding.encode(completion + (stop or ""), allowed_special="all"),
+                                 then)
+
+    def generate_ids(self, ids, then=None):
         at = len(self.conv.messages)
         result = self.conv.append_generated(ids, then=then)
         # Stopped: the decoded run ends with a stop text, however it was meant (the definition).
@@ -647,3 +650,19 @@ def test_forks_appended_from_threads_stay_exact(tok, template):
     finally:
         sys.setswitchinterval(interval)
     assert not errors, errors[0]
+
+
+def test_a_sampled_turn_cut_inside_a_character_is_kept_as_text(tok, template, tally):
+    """max_tokens may stop gpt-oss inside a UTF-8 character: the run is pinned verbatim, the IDs
+    follow the definition, and the message recorded is what the library's parser reads of it
+    (the fast reading declines bytes that are not UTF-8)."""
+    m = Model(tok, template)
+    m.check(m.conv.append_messages([{"role": "user", "content": "emoji?"}]), tally)
+    ids = harmony._library().encoding.encode("<|channel|>final<|message|>ok 𓀀", allowed_special="all")
+    cut = ids[:-1]  # 𓀀 is four byte tokens: the last one is missing
+    assert len(tok.encode("𓀀")) == 4
+    r = m.generate_ids(cut)
+    m.check(r, tally)
+    text = b"".join(tok.token_bytes[i] for i in cut).decode("utf-8", "replace")
+    assert harmony._plain_turn(harmony._library(), cut, text) is None
+    assert m.conv.messages[-1] == template.generated_message(text, cut, fast=False)

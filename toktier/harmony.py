@@ -550,6 +550,8 @@ class HarmonyBound:
         out: list[tuple[dict | None, bool, str | None]] = []
         if not start and self._tools and not (messages and messages[0].get("role") in ("system", "developer")):
             out.append((None, True, None))
+        if index is None:  # call id -> function name over messages[:start]
+            index = self._call_index(messages[:start]) if start else {}
         names: dict[str, str] = {}  # call id -> function name, from messages[start:] so far
         pending, k = _pending(messages, start)  # the latest assistant's calls, tool messages since
         for i in range(start, len(messages)):
@@ -566,8 +568,7 @@ class HarmonyBound:
                 if not tool_name:
                     key = message.get("tool_call_id")
                     if key is not None:
-                        earlier = index.get(str(key)) if index is not None else _called(messages, start, str(key))
-                        tool_name = names.get(str(key)) or earlier
+                        tool_name = names.get(str(key)) or index.get(str(key))
                     if not tool_name and k < len(pending):
                         tool_name = pending[k][1]
                 k += 1
@@ -722,16 +723,6 @@ def _pending(messages: list[dict], start: int) -> tuple[list[tuple[str | None, s
             return _calls(messages[i]), k
         k += role == "tool"
     return [], k
-
-
-def _called(messages: list[dict], before: int, call_id: str) -> str | None:
-    """The name of the latest tool call with id `call_id` in messages[:before] (None: none)."""
-    for i in range(before - 1, -1, -1):
-        if messages[i].get("role") == "assistant":
-            for cid, name in reversed(_calls(messages[i])):
-                if cid == call_id:
-                    return name
-    return None
 
 
 def _call_fields(call: Any) -> tuple[str, str]:
