@@ -24,12 +24,14 @@ normalizer has confirmed the text).
 ``--ab TREE`` compares this build with another one in the same process: TREE is a checkout
 whose ``toktier/native`` holds a built extension (e.g. ``git worktree add /tmp/wt HEAD`` and
 ``python setup.py build_ext --inplace`` there).  Both engines get the same tables; their calls
-alternate text by text, and the ``new`` medians of both are printed with their ratio.
+alternate text by text, and the ``new`` medians of both are printed with their ratio (with
+``--cold``, each timed encode gets a fresh piece cache instead: every piece is BPE'd, which is
+where the BPE loops differ).
 ``--scanner-ab`` does the same with a second engine of this build whose block scanner is off
 (`CoreEngine.use_block_scanner`): the block scanner's share of the speed.
 
 Usage: ``python -m bench.engine_speed [--chars 400000] [--kinds english,code,cjk,listing,table]
-[--only llama3] [--ab /tmp/wt] [--scanner-ab]``.
+[--only llama3] [--ab /tmp/wt [--cold]] [--scanner-ab]``.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--only", action="append", choices=NAMES)
     ap.add_argument("--ab", metavar="TREE", help="compare with the extension built in TREE (in-process)")
+    ap.add_argument("--cold", action="store_true",
+                    help="with --ab/--scanner-ab: a fresh piece cache for every timed encode")
     ap.add_argument("--scanner-ab", action="store_true",
                     help="compare this build with itself, its block scanner switched off (in-process)")
     args = ap.parse_args(argv)
@@ -134,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'tokenizer':<12} {'kind':<8} {'MB':>5} {'new':>11} {'cold':>11} {'warm':>11} {'reference':>11}")
     else:
         label = args.ab if other is not None else "per-character scanner"
-        print(f"{'tokenizer':<12} {'kind':<8} {'MB':>5} {'new (' + label + ')':>24} {'new (this)':>12} {'ratio':>6}")
+        col = "cold" if args.cold else "new"
+        print(f"{'tokenizer':<12} {'kind':<8} {'MB':>5} {col + ' (' + label + ')':>24} {col + ' (this)':>12} "
+              f"{'ratio':>6}")
     bad = 0
     for name in args.only or NAMES:
         tok = toktier.load_tokenizer(name)
@@ -163,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                     cores[k].encode(xs[0], caches[k], False, not nfc)
                 for i in range(1, len(xs)):
                     for k in (sorted(cores) if (r + i) % 2 else sorted(cores, reverse=True)):
+                        cache = mods[k].PieceCacheBox() if args.cold else caches[k]
                         t0 = clock()
-                        st, ids, _ = cores[k].encode(xs[i], caches[k], False, not nfc)
+                        st, ids, _ = cores[k].encode(xs[i], cache, False, not nfc)
                         new[k].append(mbs[i] / (clock() - t0))
                         if st != 0 or not np.array_equal(ids, wants[i]):
                             bad += 1

@@ -9,7 +9,10 @@ call, so the ratios are same-run ratios even on a noisy machine):
   <|end_header_id|>\\n\\n`` + ~1.4K characters of code + ``<|eot_id|>`` (1,400 characters in all);
 * ``plain-256`` / ``plain-1.4K`` / ``plain-16K``: the same number of appends of raw English text
   (``large_text(n, kind="english")``, no template) of 256, 1,400 and 16,000 characters
-  (``plain-10``, 10 characters, on request: ``--workloads plain-10``).
+  (``plain-10``, 10 characters, on request: ``--workloads plain-10``);
+* ``--content KIND`` (``mixed``, ``multilingual``, ...: `large_text`'s kinds) takes the context body,
+  the chat turns' bodies and the plain appends from that kind instead (CJK, Arabic, Cyrillic,
+  emoji, JSON, logs, CRLF text: the content agents also carry).
 
 Each (size, workload) starts fresh: every engine first sees the context untimed (our session is
 built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
@@ -75,7 +78,7 @@ import numpy as np
 
 from toktier import Session, load_tokenizer
 from toktier.fullpath import encode_full
-from toktier.tools.corpus import large_text
+from toktier.tools.corpus import LARGE_KINDS, large_text
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_PY = ROOT / ".venv-peer" / "bin" / "python"
@@ -86,21 +89,21 @@ EOT = "<|eot_id|>"
 
 
 # -- workload -------------------------------------------------------------------------------
-def context_text(n: int) -> str:
-    return HDR.format(role="user") + large_text(n, seed=7, kind="code") + EOT
+def context_text(n: int, content: str | None = None) -> str:
+    return HDR.format(role="user") + large_text(n, seed=7, kind=content or "code") + EOT
 
 
-def deltas(workload: str, count: int) -> list[str]:
+def deltas(workload: str, count: int, content: str | None = None) -> list[str]:
     out = []
     for i in range(count):
         if workload == "chat-1.4K":
             role = "assistant" if i % 2 == 0 else "user"
             head = HDR.format(role=role)
-            body = large_text(1400 - len(head) - len(EOT), seed=1000 + i, kind="code")
+            body = large_text(1400 - len(head) - len(EOT), seed=1000 + i, kind=content or "code")
             out.append(head + body + EOT)
         else:
             n = {"plain-10": 10, "plain-256": 256, "plain-1.4K": 1400, "plain-16K": 16000}[workload]
-            out.append(large_text(n, seed=2000 + i, kind="english"))
+            out.append(large_text(n, seed=2000 + i, kind=content or "english"))
     return out
 
 
@@ -179,9 +182,10 @@ def p50(xs) -> float:
 
 
 # -- one (tokenizer, size, workload) ------------------------------------------------------------
-def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_api_appends, log, settle=0.0):
-    ctx = context_text(size)
-    ds = deltas(workload, n_appends)
+def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_api_appends, log, settle=0.0,
+             content=None):
+    ctx = context_text(size, content)
+    ds = deltas(workload, n_appends, content)
     times: dict[str, list[float]] = {}
     rts: dict[str, list[float]] = {}
     paths: dict[str, dict[str, int]] = {}
@@ -346,6 +350,9 @@ def main(argv=None) -> int:
     ap.add_argument("--start-reps", type=int, default=5, help="texts per session-start size (each engine once per text)")
     ap.add_argument("--no-peer", action="store_true", help="skip toktier 0.3.0")
     ap.add_argument("--settle-ms", type=float, default=0.0, help="sleep before each timed call (default none)")
+    ap.add_argument("--content", choices=LARGE_KINDS, default=None,
+                    help="large_text kind of the llama3 rows' context body and appends (default: code context, "
+                         "code chat turns, English plain appends)")
     ap.add_argument("--peer-api-appends", type=int, default=25,
                     help="calls of the 0.3.0 public API lane per cell (it re-encodes in full: slow)")
     ap.add_argument("--peer-api-appends-large", type=int, default=9,
@@ -384,7 +391,7 @@ def main(argv=None) -> int:
         for w in workloads:
             api_n = args.peer_api_appends if size < 1_000_000 else args.peer_api_appends_large
             t, rt, n, paths, bad = run_cell(tok, "llama3", size, w, args.appends, stateless, ref, peer,
-                                            min(api_n, args.appends), log, args.settle_ms / 1000)
+                                            min(api_n, args.appends), log, args.settle_ms / 1000, args.content)
             mism += sum(bad.values())
             best = min(t["fastokens"], t["gigatoken"])
             lead = best / t["toktier"]
@@ -392,7 +399,8 @@ def main(argv=None) -> int:
             core = f"{t['tt03-core']:.3f} ({rt['tt03-core']:.3f})" if "tt03-core" in t else "-"
             vcore = f"{t['tt03-core'] / t['toktier']:.2f}x" if "tt03-core" in t else "-"
             chk = "all equal" if not bad else "MISMATCH " + ",".join(f"{k}:{v}" for k, v in bad.items())
-            print(f"| llama3 | {size:,} | {w} | {t['toktier']:.3f} | {t['fastokens']:.3f} | {t['gigatoken']:.3f} "
+            cell = f"{w} {args.content}" if args.content else w
+            print(f"| llama3 | {size:,} | {cell} | {t['toktier']:.3f} | {t['fastokens']:.3f} | {t['gigatoken']:.3f} "
                   f"| **{lead:.2f}x** | {t['ref']:.1f} (n={n['ref']}) | {api} | {core} | {vcore} | {chk} |", flush=True)
             all_paths.append((f"llama3 {size} {w}", paths))
     if args.o200k_sizes:
