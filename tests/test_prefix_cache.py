@@ -550,7 +550,9 @@ def test_stateless_benchmark_smoke(monkeypatch, capsys):
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent))
     stateless = pytest.importorskip("bench.stateless")
-    rc = stateless.main(["--sizes", "12000", "--calls", "4", "--convs", "2", "--turns", "3", "--restart-size", "20000"])
+    # Two restart reps: each mode of a rep starts with a gc.collect, slow in a full test process's heap.
+    rc = stateless.main(["--sizes", "12000", "--calls", "4", "--convs", "2", "--turns", "3", "--restart-size", "20000",
+                         "--restart-reps", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "every checked result equals the reference" in out and "| prefix-cache |" in out
