@@ -938,10 +938,13 @@ class Engine {
     const uint32_t r = pair<filtered>(a, b, merged);
     return r == EMPTY32 ? NO_PAIR : int32_t((r << 6) | pos);
   }
-  uint32_t merge_small(const uint8_t* p, uint32_t n, uint32_t* out) const {
+  static inline bool has_high_byte(const uint8_t* p, uint32_t n) {
     uint8_t high = 0;
     for (uint32_t i = 0; i < n; ++i) high |= p[i];
-    if (!(high & 0x80)) return merge_shift(p, n, out);
+    return high & 0x80;
+  }
+  uint32_t merge_small(const uint8_t* p, uint32_t n, uint32_t* out) const {
+    if (!has_high_byte(p, n)) return merge_shift(p, n, out);
     return pfilter.empty() ? merge_linked<false>(p, n, out) : merge_linked<true>(p, n, out);
   }
   template <bool filtered>
@@ -1007,9 +1010,8 @@ class Engine {
 
   // HF's `Word::merge_all`: a min-heap of (rank, position) with stale entries skipped (O(n log n)).
   uint32_t merge_heap(const uint8_t* p, uint32_t n, uint32_t* out) const {
-    uint8_t high = 0;
-    for (uint32_t i = 0; i < n; ++i) high |= p[i];
-    return high & 0x80 && !pfilter.empty() ? merge_heap_as<true>(p, n, out) : merge_heap_as<false>(p, n, out);
+    const bool filtered = has_high_byte(p, n) && !pfilter.empty();
+    return filtered ? merge_heap_as<true>(p, n, out) : merge_heap_as<false>(p, n, out);
   }
   template <bool filtered>
   uint32_t merge_heap_as(const uint8_t* p, uint32_t n, uint32_t* out) const {
