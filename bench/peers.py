@@ -10,9 +10,11 @@ call, so the ratios are same-run ratios even on a noisy machine):
 * ``plain-256`` / ``plain-1.4K`` / ``plain-16K``: the same number of appends of raw English text
   (``large_text(n, kind="english")``, no template) of 256, 1,400 and 16,000 characters
   (``plain-10``, 10 characters, on request: ``--workloads plain-10``);
-* ``--content KIND`` (``mixed``, ``multilingual``, ...: `large_text`'s kinds) takes the context body,
-  the chat turns' bodies and the plain appends from that kind instead (CJK, Arabic, Cyrillic,
-  emoji, JSON, logs, CRLF text: the content agents also carry).
+* ``--content KIND`` takes the context body, the chat turns' bodies, the plain appends and the
+  session starts' contexts from that kind instead: `large_text`'s ``mixed`` / ``multilingual`` (CJK,
+  Arabic, Cyrillic, emoji, JSON, logs, CRLF text: the content agents also carry), ``english`` or
+  ``code``, or bench.engine_speed's ``cjk``, ``listing`` (`ls -l` lines) and ``table`` (a markdown
+  table of numbers and codes).
 
 Each (size, workload) starts fresh: every engine first sees the context untimed (our session is
 built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
@@ -80,6 +82,9 @@ from toktier import Session, load_tokenizer
 from toktier.fullpath import encode_full
 from toktier.tools.corpus import LARGE_KINDS, large_text
 
+from bench.engine_speed import KINDS as CONTENT_KINDS
+from bench.engine_speed import make_text
+
 ROOT = Path(__file__).resolve().parent.parent
 PEER_PY = ROOT / ".venv-peer" / "bin" / "python"
 WORKER = ROOT / "bench" / "peer_worker_toktier03.py"
@@ -89,8 +94,16 @@ EOT = "<|eot_id|>"
 
 
 # -- workload -------------------------------------------------------------------------------
-def context_text(n: int, content: str | None = None) -> str:
-    return HDR.format(role="user") + large_text(n, seed=7, kind=content or "code") + EOT
+def body_text(n: int, seed: int, kind: str) -> str:
+    """``n`` characters of content ``kind``: `large_text`'s kinds, or engine_speed's generated ones
+    (``cjk``, ``listing``: `ls -l` lines, ``table``: a markdown table of numbers and codes)."""
+    if kind in LARGE_KINDS:
+        return large_text(n, seed=seed, kind=kind)
+    return make_text(kind, n, seed)
+
+
+def context_text(n: int, content: str | None = None, seed: int = 7) -> str:
+    return HDR.format(role="user") + body_text(n, seed, content or "code") + EOT
 
 
 def deltas(workload: str, count: int, content: str | None = None) -> list[str]:
@@ -99,11 +112,11 @@ def deltas(workload: str, count: int, content: str | None = None) -> list[str]:
         if workload == "chat-1.4K":
             role = "assistant" if i % 2 == 0 else "user"
             head = HDR.format(role=role)
-            body = large_text(1400 - len(head) - len(EOT), seed=1000 + i, kind=content or "code")
+            body = body_text(1400 - len(head) - len(EOT), 1000 + i, content or "code")
             out.append(head + body + EOT)
         else:
             n = {"plain-10": 10, "plain-256": 256, "plain-1.4K": 1400, "plain-16K": 16000}[workload]
-            out.append(large_text(n, seed=2000 + i, kind=content or "english"))
+            out.append(body_text(n, 2000 + i, content or "english"))
     return out
 
 
@@ -263,7 +276,7 @@ def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_ap
         {k: len(v) for k, v in times.items()}, paths, bad
 
 
-def session_starts(tok, size, stateless, peer, reps=3, extra=None, seed=0):
+def session_starts(tok, size, stateless, peer, reps=3, extra=None, seed=0, content=None):
     """Median of ``reps`` session starts, each on a *different* context text (seeds 11, 12, ...), so
     no whole-input cache can answer.  Stateless peers use one warm object (built and used on an
     unrelated text before, construction untimed), as a server would; a new session's text is new
@@ -271,7 +284,7 @@ def session_starts(tok, size, stateless, peer, reps=3, extra=None, seed=0):
     adds rows timed the same way (bench/gpu_session_start.py adds the GPU path).  Per text, every
     engine runs once, in a seeded random order (so no row always follows the same other one, or
     always runs first after the reference encode that checks them)."""
-    ctxs = [HDR.format(role="user") + large_text(size, seed=11 + j, kind="code") + EOT for j in range(reps)]
+    ctxs = [context_text(size, content, seed=11 + j) for j in range(reps)]
     refs = [tok.encode(c) for c in ctxs]
     warm_text = large_text(50_000, seed=99, kind="english")
 
@@ -350,9 +363,9 @@ def main(argv=None) -> int:
     ap.add_argument("--start-reps", type=int, default=5, help="texts per session-start size (each engine once per text)")
     ap.add_argument("--no-peer", action="store_true", help="skip toktier 0.3.0")
     ap.add_argument("--settle-ms", type=float, default=0.0, help="sleep before each timed call (default none)")
-    ap.add_argument("--content", choices=LARGE_KINDS, default=None,
-                    help="large_text kind of the llama3 rows' context body and appends (default: code context, "
-                         "code chat turns, English plain appends)")
+    ap.add_argument("--content", choices=CONTENT_KINDS, default=None,
+                    help="content of the llama3 rows' context body, appends and session starts (default: code "
+                         "context, code chat turns, English plain appends, code starts)")
     ap.add_argument("--peer-api-appends", type=int, default=25,
                     help="calls of the 0.3.0 public API lane per cell (it re-encodes in full: slow)")
     ap.add_argument("--peer-api-appends-large", type=int, default=9,
@@ -423,10 +436,12 @@ def main(argv=None) -> int:
             all_paths.append((f"o200k_base {size}", paths))
     starts = [int(x) for x in args.starts.split(",") if x]
     if starts:
-        print(f"\n| session start (llama3, chat context) | engine | ms (median of {args.start_reps}) | exact | vs fastokens |")
+        what = args.content or "code"
+        print(f"\n| session start (llama3, chat context of {what}) | engine | ms (median of {args.start_reps}) | exact "
+              "| vs fastokens |")
         print("|---|---|---|---|---|")
         for size in starts:
-            out, exact = session_starts(tok, size, stateless, peer, reps=args.start_reps)
+            out, exact = session_starts(tok, size, stateless, peer, reps=args.start_reps, content=args.content)
             f = out["fastokens (fresh object warmed on other text)"]
             for k, v in out.items():
                 print(f"| {size:,} | {k} | {v:.1f} | {exact[k]} | {f / v:.2f}x |", flush=True)

@@ -1171,3 +1171,42 @@ def test_bpe_of_non_ascii_pieces_of_every_length_agrees(name):
         lengths.add(len(text.encode()))
     # the lengths around the merge's limits were reached (every family keeps some runs whole)
     assert checked >= 200 and {n for n in lengths if 40 <= n <= 56}, (checked, sorted(lengths)[:20])
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_short_pieces_of_many_ids_are_cached_and_exact(name):
+    # A piece of at most 26 bytes (a slot's room) whose BPE is more than 6 ids (a slot's room: a
+    # CJK run of 8 characters is 24 bytes and ~8 ids) keeps its ids in the long-piece table and a
+    # marked slot (engine.hpp, `PieceCache::put`).  Until 2026-12-04 it was never found again:
+    # every later encode re-merged it.  Both passes must equal the reference, and the second must
+    # find every piece it merged in the first (no miss).
+    import random
+
+    tok = get_tokenizer(name)
+    rng = random.Random(f"short-many-ids:{name}")
+    core = tok.native._core
+    runs, lengths = [], set()
+    while len(runs) < 300:
+        alphabet = _SCRIPTS[len(runs) % (len(_SCRIPTS) - 1)]
+        run = "".join(rng.choices(alphabet, k=rng.randrange(3, 14)))
+        if tok.family_info.nfc:
+            run = tok.engine.normalize(run)
+        b = run.encode()
+        starts, lits = tok.native.pieces(run)
+        if len(starts) != 1 or lits[0] >= 0 or not 7 <= len(b) <= 26:
+            continue
+        n_ids = len(tok.engine.encode(run))
+        runs.append(run)
+        lengths.add((len(b) <= 26, n_ids > 6))
+    assert (True, True) in lengths, "no short piece of many ids: the case is not covered"
+    cache = _core.PieceCacheBox()
+    for run in runs:  # each alone, through the piece path (`bpe`), merged the first time
+        assert np.array_equal(core.bpe(run.encode(), cache), tok.engine.encode(run)), run
+    misses = cache.misses
+    for run in runs:
+        assert np.array_equal(core.bpe(run.encode(), cache), tok.engine.encode(run)), run
+    assert cache.misses == misses, f"{cache.misses - misses} pieces merged again"
+    text = "\n".join(runs)  # and inside a text, whose batch path shares the cache
+    st, ids, _ = core.encode(text, cache, False, True)
+    assert st == 0 and np.array_equal(ids, tok.engine.encode(text))
+    assert cache.misses == misses

@@ -399,15 +399,25 @@ struct PieceCache {
     ++big_used;
   }
 
+  // A piece of MAX_BYTES or fewer with more than MAX_IDS ids (a CJK run of 8 characters is 24
+  // bytes and ~8 ids) keeps a slot too, marked IN_BIG, whose ids are in the long-piece table: a
+  // short piece that misses the slots then costs no long-piece lookup.  (Until 2026-12-04 such
+  // pieces went to that table, but only long pieces looked there: they never hit, and a CJK text
+  // encoded twice re-merged one piece in nine, each adding a copy to that table.)
+  static constexpr uint8_t IN_BIG = 0xFF;
   void put(uint64_t h, const uint8_t* p, uint32_t n, const uint32_t* v, uint32_t nv) {
-    if (n > MAX_BYTES || nv > MAX_IDS) { put_big(h, p, n, v, nv); return; }
+    if (n > MAX_BYTES) { put_big(h, p, n, v, nv); return; }
+    if (nv > MAX_IDS) {
+      put_big(h, p, n, v, nv);
+      nv = 0;  // the marker: no ids here
+    }
     if (n_used * 2 >= CAP) clear();
     size_t i = home(h);
     while (slots[i].used) i = (i + 1) & (CAP - 1);
     Slot& sl = slots[i];
     sl.h = h;
     sl.blen = uint8_t(n);
-    sl.nids = uint8_t(nv);
+    sl.nids = nv ? uint8_t(nv) : IN_BIG;
     sl.used = 1;
     std::memcpy(sl.bytes, p, n);
     std::memcpy(sl.ids, v, nv * sizeof(uint32_t));
@@ -777,18 +787,23 @@ class Engine {
       int64_t id = vocab(h, p, n);
       if (id >= 0) { *w = uint32_t(id); return 1; }
     }
+    bool in_big = n > PieceCache::MAX_BYTES;
     if (const PieceCache::Slot* sl = cache.find(h, p, n)) {
-      ++cache.hits;
-      std::memcpy(w, sl->ids, sl->nids * sizeof(uint32_t));
-      return sl->nids;
+      if (sl->nids != PieceCache::IN_BIG) {
+        ++cache.hits;
+        std::memcpy(w, sl->ids, sl->nids * sizeof(uint32_t));
+        return sl->nids;
+      }
+      in_big = true;  // a short piece of many ids (`PieceCache::put`)
     }
-    if (n > PieceCache::MAX_BYTES) {
+    if (in_big) {
       const uint32_t k = cache.find_big(h, p, n, w);
       if (k) { ++cache.hits; return k; }
     }
     ++cache.misses;
     const uint32_t k = n <= SMALL_MAX && small_keys ? merge_small(p, n, w) : merge_heap(p, n, w);
-    cache.put(h, p, n, w, k);
+    if (in_big && n <= PieceCache::MAX_BYTES) cache.put_big(h, p, n, w, k);  // (its marker is in place)
+    else cache.put(h, p, n, w, k);
     return k;
   }
 
