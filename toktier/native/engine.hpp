@@ -787,22 +787,22 @@ class Engine {
       int64_t id = vocab(h, p, n);
       if (id >= 0) { *w = uint32_t(id); return 1; }
     }
-    bool in_big = n > PieceCache::MAX_BYTES;
+    bool marked = false;  // a short piece of many ids: its slot points to the long-piece table
     if (const PieceCache::Slot* sl = cache.find(h, p, n)) {
       if (sl->nids != PieceCache::IN_BIG) {
         ++cache.hits;
         std::memcpy(w, sl->ids, sl->nids * sizeof(uint32_t));
         return sl->nids;
       }
-      in_big = true;  // a short piece of many ids (`PieceCache::put`)
+      marked = true;
     }
-    if (in_big) {
+    if (marked || n > PieceCache::MAX_BYTES) {
       const uint32_t k = cache.find_big(h, p, n, w);
       if (k) { ++cache.hits; return k; }
     }
     ++cache.misses;
     const uint32_t k = n <= SMALL_MAX && small_keys ? merge_small(p, n, w) : merge_heap(p, n, w);
-    if (in_big && n <= PieceCache::MAX_BYTES) cache.put_big(h, p, n, w, k);  // (its marker is in place)
+    if (marked) cache.put_big(h, p, n, w, k);  // (the long-piece table was cleared; the slot stays)
     else cache.put(h, p, n, w, k);
     return k;
   }
