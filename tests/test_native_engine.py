@@ -327,6 +327,39 @@ def test_long_non_ascii_strs_give_exact_ids_and_offsets(width, tally):
             check_ids(tok, _stable(tok, text), tally)
 
 
+def _sparse_wide_texts(width: str) -> list[str]:
+    """Mostly ASCII strs stored 1, 2 or 4 bytes a character, one wider character every d
+    characters for d from 1 to past `engine.hpp`'s NARROW_AHEAD (512) and a batch's 256 pieces:
+    wide characters at every offset in a 16-character group, at the edge of the narrowed stretch
+    and of a batch, inside long ASCII pieces and between pieces."""
+    wide = {"latin1": "\xe9\xa0", "ucs2": "\u00e9\u4e2d\u2019", "ucs4": "\u00e9\u4e2d\U0001F600"}[width]
+    base = large_text(24_000, seed=43, kind="code").encode("ascii", "ignore").decode()
+    texts = []
+    for k, d in enumerate((1, 2, 3, 15, 16, 17, 97, 255, 511, 512, 513, 1030, 4099)):
+        chars = list(base)
+        for i in range(d // 2 + k, len(chars), d):
+            chars[i] = wide[(i // d + k) % len(wide)]
+        texts.append("".join(chars))
+    # a wide character right after and right before ASCII pieces longer than the lookahead
+    texts.append("".join(f"{wide[j % len(wide)]}{'a' * (500 + j)} {'7' * (520 + j)}\n" for j in range(40)))
+    texts.append(" " * 5_000 + wide[0] + "\t" * 700 + wide[-1] + "x" * 3_000)
+    return texts
+
+
+@pytest.mark.parametrize("width", sorted(WIDTH_LIMIT))
+def test_narrowed_utf8_of_wide_strs_gives_exact_ids_and_offsets(width, tally):
+    # A 1-, 2- or 4-byte str's UTF-8 is built in a log whose ASCII stretches are narrowed ahead
+    # of the pieces (engine.hpp `segment`): ids and every token's byte offset must be exact
+    # wherever the wider characters fall.
+    texts = _sparse_wide_texts(width)
+    assert all(WIDTH_FLOOR[width] <= max(map(ord, t)) < WIDTH_LIMIT[width] for t in texts)
+    served = [get_tokenizer(name) for name in ALL_TOKENIZERS if get_tokenizer(name).native is not None]
+    assert len(served) >= 4, "the bundled families the native engine certifies"
+    for tok in served:
+        for text in texts:
+            check_ids(tok, _stable(tok, text), tally)
+
+
 def test_block_classifier_keeps_the_table_when_comparisons_would_differ():
     # A class table whose ASCII classes the comparisons do not reproduce (U+001C as
     # whitespace, as Python's str.isspace has it) keeps the per-character table read.
