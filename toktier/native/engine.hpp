@@ -1580,10 +1580,9 @@ class Engine {
   // `u8`/`at` (optional, with T = uint32_t): the text's UTF-8 and each character's byte offset in
   // it (at[n] too; absolute offsets into u8, at[0] need not be 0): a caller that decoded UTF-8
   // (the repair lane) passes both, and the segments are read in place instead of re-encoded.
-  // Never inlined: one compiled copy per T serves every caller.  Where GCC inlined it into a caller
-  // (`encode_chunks`' workers, after an unrelated helper was added there), that copy's loops came
-  // out 25% slower than the out-of-line one that `CoreEngine.encode` runs, which hid the change
-  // from every single-thread benchmark.
+  // Never inlined: one compiled copy per T serves every caller, so what `bench.engine_speed` times
+  // through `CoreEngine.encode` is the code the session starts' chunk workers and the lane run too
+  // (a caller's own loops still compile apart: see `utf8_length`).
   template <class T>
   __attribute__((noinline))
   int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out,
