@@ -2,7 +2,9 @@
 
 For each bundled tokenizer, generated texts (real corpus slices recombined, adversarial
 atoms, random code points from every plane, the tokenizer's literals; every fourth text all
-ASCII, for the block scanner) are checked at two levels until the targets are reached:
+ASCII, for the block scanner, and every fourth ASCII with a wider character every 30-3000
+characters, for the UTF-8 narrowed ahead of the pieces) are checked at two levels until the
+targets are reached:
 
 * pieces: the native scanner's split of every literal-free segment against the
   reference pre-tokenizer: HF's own ``pre_tokenize_str`` for tokenizer.json files; for
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -85,6 +88,22 @@ def _ascii_text(rng: random.Random, real: list[str], n_chars: int) -> str:
             return "".join(rng.choice(ASCII_ATOMS) for _ in range(rng.randint(1, 200)))
         return rng.choice(ASCII_ATOMS) * rng.randint(50, 300)
     return _assemble(n_chars, part)
+
+
+def _sparse_wide_text(rng: random.Random, real: list[str], n_chars: int) -> str:
+    """An ASCII text (`_ascii_text`) with a wider character every 30-3000 characters (gaps log-
+    uniform): a 2- or 4-byte str that is mostly ASCII, as most real contexts are, whose UTF-8 the
+    engine narrows ahead of the pieces (engine.hpp `segment_log`) instead of converting each one."""
+    chars = list(_ascii_text(rng, real, n_chars))
+    at = 0
+    while True:
+        at += int(math.exp(rng.uniform(math.log(30), math.log(3000))))
+        if at >= len(chars):
+            break
+        c = rng.choice((rng.randrange(0x80, 0x800), rng.randrange(0x800, 0xD800), rng.randrange(0xE000, 0x10000),
+                        rng.randrange(0x10000, 0x110000)))
+        chars[at] = chr(c)
+    return "".join(chars)
 
 
 def _regex_table():
@@ -154,8 +173,14 @@ def run_one(name: str, target_pieces: int, target_ids: int, seed: int) -> dict:
     bad: list[str] = []
     t0 = time.time()
     while (n_pieces < target_pieces or n_ids < target_ids) and len(bad) < 5:
-        # every fourth text all ASCII: what the block scanner serves in long views
-        text = _ascii_text(rng, real, 64_000) if n_texts % 4 == 3 else _text(rng, real, atoms, lits, 64_000)
+        # every fourth text all ASCII: what the block scanner serves in long views; every fourth
+        # mostly ASCII with sparse wider characters
+        if n_texts % 4 == 3:
+            text = _ascii_text(rng, real, 64_000)
+        elif n_texts % 4 == 1:
+            text = _sparse_wide_text(rng, real, 64_000)
+        else:
+            text = _text(rng, real, atoms, lits, 64_000)
         if nfc:
             text = tok.engine.normalize(text)
         n_texts += 1
