@@ -318,7 +318,12 @@ def test_long_non_ascii_strs_give_exact_ids_and_offsets(width, tally):
     # A converted str's pieces are re-encoded to UTF-8 by the engine: every id and every token's
     # byte offset must be exact across long pieces, literals and runs of mixed UTF-8 lengths
     # (a windowed conversion tried for issue 14 and not kept had two such bugs; see RESULTS).
-    texts = _window_edge_texts(width)
+    _check_wide_strs(width, _window_edge_texts(width), tally)
+
+
+def _check_wide_strs(width: str, texts: list[str], tally) -> None:
+    """Ids and offsets of `texts` (each at most `width` wide, and as wide) on every tokenizer the
+    native engine serves, against the reference."""
     assert all(WIDTH_FLOOR[width] <= max(map(ord, t)) < WIDTH_LIMIT[width] for t in texts)
     served = [get_tokenizer(name) for name in ALL_TOKENIZERS if get_tokenizer(name).native is not None]
     assert len(served) >= 4, "the bundled families the native engine certifies"
@@ -349,15 +354,9 @@ def _sparse_wide_texts(width: str) -> list[str]:
 @pytest.mark.parametrize("width", sorted(WIDTH_LIMIT))
 def test_narrowed_utf8_of_wide_strs_gives_exact_ids_and_offsets(width, tally):
     # A 1-, 2- or 4-byte str's UTF-8 is built in a log whose ASCII stretches are narrowed ahead
-    # of the pieces (engine.hpp `segment`): ids and every token's byte offset must be exact
+    # of the pieces (engine.hpp `segment_log`): ids and every token's byte offset must be exact
     # wherever the wider characters fall.
-    texts = _sparse_wide_texts(width)
-    assert all(WIDTH_FLOOR[width] <= max(map(ord, t)) < WIDTH_LIMIT[width] for t in texts)
-    served = [get_tokenizer(name) for name in ALL_TOKENIZERS if get_tokenizer(name).native is not None]
-    assert len(served) >= 4, "the bundled families the native engine certifies"
-    for tok in served:
-        for text in texts:
-            check_ids(tok, _stable(tok, text), tally)
+    _check_wide_strs(width, _sparse_wide_texts(width), tally)
 
 
 def test_block_classifier_keeps_the_table_when_comparisons_would_differ():
