@@ -1612,6 +1612,13 @@ class Engine {
     // (its segments are read in place).
     std::unique_ptr<uint8_t[]> pbuf;
     size_t pcap = 0;
+    auto grow_pbuf = [&](size_t need, size_t used) {  // room for `need` bytes, keeping the first `used`
+      if (need <= pcap) return;
+      pcap = std::max({need, 2 * pcap, size_t(4096)});
+      std::unique_ptr<uint8_t[]> bigger(new uint8_t[pcap]());
+      if (used) std::memcpy(bigger.get(), pbuf.get(), used);
+      pbuf = std::move(bigger);
+    };
     PieceBatch batch;  // (byte offset in the segment buffer, length)
     auto& hs = cache.batch_hashes;
     auto& id_scratch = cache.batch_ids;
@@ -1655,14 +1662,7 @@ class Engine {
       int64_t bbase = base;  // pbuf[0]'s byte offset in the text
       int64_t k_char = a, log_end = a;
       size_t k_off = 0;
-      auto reserve = [&](size_t need) {
-        if (need <= pcap) return;
-        const size_t used = k_off + size_t(log_end - k_char);
-        pcap = std::max({need, 2 * pcap, size_t(4096)});
-        std::unique_ptr<uint8_t[]> bigger(new uint8_t[pcap]());
-        if (used) std::memcpy(bigger.get(), pbuf.get(), used);
-        pbuf = std::move(bigger);
-      };
+      auto reserve = [&](size_t need) { grow_pbuf(need, k_off + size_t(log_end - k_char)); };
       // the log through character pb at least (out of line: the pieces' loop stays small)
       auto extend = [&](int64_t pb) __attribute__((noinline)) {
         const int64_t to = std::min<int64_t>(b, std::max<int64_t>(pb, log_end + NARROW_AHEAD));
@@ -1702,13 +1702,7 @@ class Engine {
       int64_t bbase = base;  // pbuf[0]'s byte offset in the text
       size_t used = 0;
       auto piece = [&](int64_t pa, int64_t pb) {
-        const size_t need = used + size_t(pb - pa) * 4 + 16;  // + room for `ascii8`'s 8-byte stores
-        if (need > pcap) {
-          pcap = std::max({need, 2 * pcap, size_t(4096)});
-          std::unique_ptr<uint8_t[]> bigger(new uint8_t[pcap]());
-          if (used) std::memcpy(bigger.get(), pbuf.get(), used);
-          pbuf = std::move(bigger);
-        }
+        grow_pbuf(used + size_t(pb - pa) * 4 + 16, used);  // + room for `ascii8`'s 8-byte stores
         uint8_t* const w0 = pbuf.get() + used;
         uint8_t* const w = put_utf8_run(s, pa, pb, n, w0);
         batch.emplace_back(uint32_t(used), uint32_t(w - w0));
