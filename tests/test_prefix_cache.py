@@ -71,9 +71,13 @@ class Model:
             assert r.layer == expect
         assert r.first_changed in fcs, (r.first_changed, fcs)
         lens = tok.token_len[ref]
-        if int(lens.sum()) == len(data):  # tokens tile the text: the reuse point has a byte position
+        # Tokens tile the text itself, not a normalized form of it: the reuse point has a byte position.
+        # (A normalizer can change the text and keep its length, reordering combining marks: then the
+        # session maps a token start inside the changed span to the span's start, `SpanMap.to_raw`.)
+        unchanged = not tok.family_info.nfc or tok.engine.normalize(text) == text
+        if unchanged and int(lens.sum()) == len(data):
             assert r.reused_chars == chars_before(data, int(lens[: r.first_changed].sum())), r.layer
-        else:  # the normalizer changed the text (NFD input): only a bound
+        else:  # the normalizer changed the text (NFD input, reordered marks): only a bound
             assert 0 <= r.reused_chars <= (len(text) if r.layer == "l0" else chars_before(data, best))
         self.held[text] = ref
         return r
