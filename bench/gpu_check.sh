@@ -9,7 +9,8 @@
 #   1. install the carried wheels into /tmp/site (no index, no network);
 #   2. build pycuda from its sdist if carried (<= 4 min; TOKTIER_SKIP_PYCUDA=1 skips it; without
 #      pycuda the image's CuPy drives the same kernels, cubin and launch sequence);
-#   3. nvcc -cubin cuda_src/toktier.cu for this GPU's architecture;
+#   3. nvcc -cubin cuda_src/toktier.cu for this GPU's architecture, then a driver smoke test
+#      (builds a GpuDriver, encodes two texts, prints any exception whole);
 #   4. tests/test_gpu_device.py (-m gpu): IDs and spans == the reference for every family,
 #      on real multilingual text (1M characters too), literals, adversarial text;
 #   5. bench/gpu_bench.py: single-request latency at 1K, 100K, 1M, 4M characters and bulk GB/s;
@@ -74,6 +75,26 @@ PY
 )
 echo "TOKTIER_CUBIN=$TOKTIER_CUBIN"
 [[ -n "$TOKTIER_CUBIN" ]] || { echo "cubin build failed"; exit 4; }
+
+step "driver smoke (a failure here is printed whole; available_driver() would hide it as a skip)"
+timeout 120 $PY - <<'PY' 2>&1 | tee "$OUTDIR/gpu_smoke.log"
+import time, traceback
+import numpy as np
+import toktier
+from toktier.gpu import driver as d
+try:
+    t = time.perf_counter()
+    drv = d.GpuDriver()
+    print(f"driver up ({drv.backend.name}) in {time.perf_counter() - t:.2f} s")
+    tok = toktier.load_tokenizer("cl100k_base")
+    for text in ("Hello, world! It's 12,345.", d.SELF_CHECK * 40):
+        t = time.perf_counter(); ids, spans = drv.encode(tok, text); dt = time.perf_counter() - t
+        ref = tok.encode(text)
+        print(f"{len(text)} chars: {len(ids)} ids, equal={np.array_equal(ids, ref)}, {dt * 1e3:.1f} ms (first call)")
+    print("graph_error:", drv.graph_error)
+except Exception:
+    traceback.print_exc()
+PY
 
 STEPS=${GPU_CHECK_STEPS:-tests bench}
 TEST_RC=0; BENCH_RC=0; PROF_RC=0; START_RC=0

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizers", default="llama3,o200k_base")
     ap.add_argument("--sizes", default="100000,1000000,4000000")
+    ap.add_argument("--content", default=None,
+                    help="body kind of the context texts (bench.peers.body_text; default: code)")
     args = ap.parse_args(argv)
     router = Router()
     gpu_path = FullPath(gpu=router)
@@ -61,14 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         for size in (int(s) for s in args.sizes.split(",")):
             gpu_session = Session(tok, "warm the tables and graphs " * 200, full_path=gpu_path)
             del gpu_session
-            out, exact = session_starts(tok, size, peers, None, extra={
+            out, exact = session_starts(tok, size, peers, None, content=args.content, extra={
                 "toktier Session(tok, ctx) (gpu)": lambda c: Session(tok, c, full_path=gpu_path).ids})
             for label in sorted(out, key=out.get):
-                rows.append(dict(tokenizer=name, chars=size, engine=label, ms=out[label], exact=exact[label]))
+                rows.append(dict(tokenizer=name, chars=size, content=args.content or "code", engine=label,
+                                 ms=out[label], exact=exact[label]))
                 print(f"  {size:>9,} {label:<52} {out[label]:9.2f} ms  exact={exact[label]}", flush=True)
     print(f"full path with the GPU router: {gpu_path.stats()}; routes {router.counts}")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_session_start.json").write_text(json.dumps(rows, indent=1))
+        name = f"gpu_session_start{'_' + args.content if args.content else ''}.json"
+        Path(os.environ["OUT"], name).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["exact"] for r in rows) else 1
 
 

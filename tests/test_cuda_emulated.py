@@ -129,6 +129,22 @@ def test_emulated_router_self_check_and_route(drv):
     assert spans is None and np.array_equal(ids, tok.encode(text))
 
 
+def test_emulated_router_sends_an_nfc_family_its_normalized_form(drv, tally):
+    """qwen3 text the normalizer changes (near literals too) goes to the kernels in the form its
+    reference tokenizes (`gpu_form`), no longer to the CPU."""
+    from toktier.gpu.router import Router
+
+    tok = get_tokenizer("qwen3")
+    text = _real_mix(60) + "e\u0301<|im_end|>\u0338 \u212b>\u0338 \u1fbe" * 20
+    assert tok.engine.normalize(text) != text
+    r = Router(driver=drv)
+    ids = FullPath(gpu=r).encode(tok, text)
+    assert r.last_route == "gpu" and np.array_equal(ids, tok.encode(text))
+    s = toktier.Session(tok, text, full_path=FullPath(gpu=r))
+    assert r.last_route == "gpu" and np.array_equal(s.ids, tok.encode(text)) and s._dirty
+    tally(tok, "emu-ids", len(ids))
+
+
 @pytest.mark.parametrize("op", ["tt_scan_max", "tt_scan_min_rev", "tt_scan_sum"])
 def test_emulated_scans_beyond_one_aggregate_chunk(drv, op):
     """Device-wide scans over more than 256 tiles (the aggregate scan's chunk loop)."""

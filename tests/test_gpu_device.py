@@ -88,3 +88,16 @@ def test_router_sends_large_segments_to_gpu(drv):
     text = large_text(20_000, seed=9)
     assert np.array_equal(FullPath(gpu=r).encode(tok, text), tok.encode(text))
     assert r.last_route == "gpu"
+
+
+def test_router_sends_an_nfc_family_its_normalized_form(drv, tally):
+    """qwen3 text the normalizer changes goes to the GPU in the form its reference tokenizes."""
+    from toktier.gpu.router import Router
+
+    tok = get_tokenizer("qwen3")
+    text = large_text(300_000, seed=9, kind="code") + "e\u0301<|im_end|>\u0338 \u212b>\u0338 \u1fbe" * 200
+    assert tok.engine.normalize(text) != text
+    r = Router(driver=drv)
+    ids = FullPath(gpu=r).encode(tok, text)
+    assert r.last_route == "gpu" and np.array_equal(ids, tok.encode(text))
+    tally(tok, "gpu-ids", len(ids))

@@ -630,15 +630,22 @@ def test_op_results_are_immutable():
     assert r.path == toktier.RepairPath.FIRST_WINDOW and r.widenings == 0 and r.reason is None
 
 
-def test_nfc_changing_text_falls_back_to_the_reference(tally):
+def test_nfc_changing_text_is_encoded_in_its_normalized_form(tally, monkeypatch):
     tok = get_tokenizer("qwen3")
-    text = "cafe\u0301 Å A\u030a " * 50
+    nat = tok.native
+    text = "cafe\u0301 Å A\u030a <|im_end|>\u0338 " * 50
     assert tok.engine.normalize(text) != text
-    before = tok.native.nfc_fallbacks
+    rewrites, fallbacks = nat.nfc_rewrites, nat.nfc_fallbacks
     check_ids(tok, text, tally)
-    assert tok.native.nfc_fallbacks == before + 1
+    assert (nat.nfc_rewrites, nat.nfc_fallbacks) == (rewrites + 1, fallbacks)
+    assert nat.encode_with_starts(text)[1] is None  # (no offsets in the raw text's coordinates)
     inert = "caf\u00e9 \u00c5 " * 50  # NFC text of non-inert-free characters is served natively
     check_ids(tok, inert, tally)
+    # a form in which the engine would find other literals is not certified: the reference encodes it
+    real = nat.literal_spans
+    monkeypatch.setattr(nat, "literal_spans", lambda t: real(t) if t is text else real(t)[2:])
+    check_ids(tok, text, tally)
+    assert (nat.nfc_rewrites, nat.nfc_fallbacks) == (rewrites + 2, fallbacks + 1)
 
 
 # -- serving ---------------------------------------------------------------------------------
@@ -982,8 +989,8 @@ def test_lane_rejects_encoded_surrogates_and_truncated_utf8():
 def test_compiled_chunks_equal_one_reference_encode(name, kind, monkeypatch, tally):
     # Small chunks force many cuts (literals, long pieces and multi-byte text near them); the
     # compiled call encodes each chunk on its own thread, and the concatenation must be exactly
-    # one reference encode of the whole text.  Where a chunk needs the reference (an NFC-changeable
-    # character), the call declines and the chunk-by-chunk path answers, exactly as well.
+    # one reference encode of the whole text.  An NFC family's text goes in the form its reference
+    # tokenizes (`nfc_spans.nfc_form`), with the chunk's NFC check off.
     from toktier.fullpath import FullPathConfig, _encode_cpu
 
     tok = get_tokenizer(name)
@@ -994,8 +1001,8 @@ def test_compiled_chunks_equal_one_reference_encode(name, kind, monkeypatch, tal
     answers = []
     real = tok.native.encode_chunks
 
-    def spy(t, cuts):
-        out = real(t, cuts)
+    def spy(t, cuts, check_nfc=True):
+        out = real(t, cuts, check_nfc)
         answers.append((len(cuts), out is not None))
         return out
 
@@ -1004,8 +1011,8 @@ def test_compiled_chunks_equal_one_reference_encode(name, kind, monkeypatch, tal
     ids, chunked = _encode_cpu(tok, text, cfg)
     assert chunked and answers and answers[0][0] >= 8
     assert np.array_equal(ids, tok.engine.encode(text))
-    if not (tok.family_info.nfc and kind != "code"):
-        assert answers[0][1], "the compiled call declined a text it can encode"
+    # (an NFC family's text goes in its normalized form: served too)
+    assert answers[0][1], "the compiled call declined a text it can encode"
     tally(tok, "fullpath", 1)
 
 

@@ -123,8 +123,8 @@ def test_a_chunk_that_does_not_tile_takes_the_general_path(monkeypatch):
     wrong[tok.encode(" the")[0]] += 1
     calls = []
 
-    def start_chunks(text, cuts, caches, token_len, uncertain=None):
-        status, staged = core.start_chunks(text, cuts, caches, wrong, uncertain)
+    def start_chunks(text, cuts, caches, token_len, uncertain=None, check_nfc=True):
+        status, staged = core.start_chunks(text, cuts, caches, wrong, uncertain, check_nfc)
         calls.append(staged)
         return status, staged
 

@@ -107,10 +107,14 @@ class _HostGpu:
     def __init__(self) -> None:
         self.calls = 0
 
-    def try_encode(self, tok, text, utf8=None):
+    def try_encode(self, tok, text, utf8=None, form=None):
+        from toktier.gpu.router import gpu_form
+
         assert utf8 is None or bytes(utf8) == text.encode("utf-8")  # a session hands over its own UTF-8
         self.calls += 1
-        return bpe_model.encode(tok, text) if len(text) > 1000 else None
+        if form is None:
+            form = gpu_form(tok, text)  # as the router does
+        return bpe_model.encode(tok, form) if form is not None and len(text) > 1000 else None
 
 
 def test_session_uses_the_full_path_it_is_given():

@@ -59,7 +59,8 @@ class FullPathConfig:
 class GpuEncoder(Protocol):
     """What a `FullPath` asks of a GPU: IDs for `text`, or None to keep it on the CPU."""
 
-    def try_encode(self, tok: FrozenTokenizer, text: str, utf8: bytes | None = None) -> np.ndarray | None: ...
+    def try_encode(self, tok: FrozenTokenizer, text: str, utf8: bytes | None = None,
+                   form: str | None = None) -> np.ndarray | None: ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,19 @@ def encode_full(tok: FrozenTokenizer, text: str, cfg: FullPathConfig = FullPathC
     return _encode_cpu(tok, text, cfg)[0]
 
 
+def nfc_form_of(tok: FrozenTokenizer, text: str) -> str | None:
+    """`text` in the form `tok`'s reference tokenizes it: `text` itself (no normalizer to apply, or
+    one that leaves it as it is), or an NFC family's text with the gaps between its literals
+    normalized (`NativeEngine.normalized`); None when that is not known (no active native engine,
+    or its form was not certified): the reference must encode it."""
+    if tok.family_info is None or not tok.family_info.nfc or text.isascii():
+        return text
+    nat = tok.native
+    if nat is None or nat.demoted is not None:
+        return None
+    return nat.normalized(text)
+
+
 def _native_cuts(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> list[int]:
     """Where the native engine's chunks of `text` are cut: one chunk per core above
     `native_min_parallel_chars`, else none."""
@@ -118,32 +132,41 @@ def _native_cuts(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> list[i
     return chunk_cuts(tok, text, cfg.chunk_chars or -(-len(text) // (os.cpu_count() or 1)))
 
 
-def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> tuple[np.ndarray, bool]:
-    """(IDs, whether they were encoded in parallel chunks)."""
+def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig,
+                form: str | None = None) -> tuple[np.ndarray, bool]:
+    """(IDs, whether they were encoded in parallel chunks).  `form`: `nfc_form_of(tok, text)` when
+    the caller has it."""
     # tiktoken encodes ~7x faster than HF and chunking it gained 1.0-1.5x on 2 cores (less
     # than its cut search costs below 160K characters), so it is never chunked.  The native
     # engine (~70 MB/s a core) is chunked above `native_min_parallel_chars`, one chunk per core
     # (a cut search and a thread hand-off cost more than a smaller chunk saves).
     engine = tok.engine_label
     if engine == "native":
-        cuts = _native_cuts(tok, text, cfg)
-    else:
-        chunked = engine == "tokenizers" and len(text) >= cfg.min_parallel_chars
-        size = (cfg.chunk_chars or _adaptive_chunk(len(text))) if chunked else 0
-        cuts = chunk_cuts(tok, text, size) if chunked else []
+        nat = tok.native
+        # An NFC family's text goes in the form its reference tokenizes (normalized between the
+        # literals): a decomposed accent anywhere in a 1M-character start cost the reference's
+        # 0.2 s before.  None: the reference encodes it.
+        if form is None:
+            form = nfc_form_of(tok, text)
+        if form is not None:
+            cuts = _native_cuts(tok, form, cfg)
+            # one compiled call: a thread per chunk, this one included, no Python per chunk
+            ids = nat.encode_chunks(form, cuts, check_nfc=False)
+            if ids is not None:
+                return ids, bool(cuts)
+        # demoted, a surrogate (the reference raises its error), or no certified form
+        engine = tok.engine.engine_name
+    chunked = engine == "tokenizers" and len(text) >= cfg.min_parallel_chars
+    size = (cfg.chunk_chars or _adaptive_chunk(len(text))) if chunked else 0
+    cuts = chunk_cuts(tok, text, size) if chunked else []
     if not cuts:
-        # encode_fast releases the GIL (HF batch API, tiktoken), so a server thread
+        # the reference engine releases the GIL (HF batch API, tiktoken), so a server thread
         # doing a session start never freezes the event loop.
-        return tok.encode_fast(text), False
-    if engine == "native":
-        # one compiled call: a thread per chunk, this one included, no Python per chunk
-        ids = tok.native.encode_chunks(text, cuts)
-        if ids is not None:
-            return ids, True
+        return tok.engine.encode_fast(text), False
     bounds = [0, *cuts, len(text)]
     chunks = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1), thread_name_prefix="toktier-chunk") as pool:
-        parts = list(pool.map(tok.encode_fast, chunks))
+        parts = list(pool.map(tok.engine.encode_fast, chunks))
     return np.concatenate(parts).astype(np.uint32, copy=False), True
 
 
@@ -157,14 +180,16 @@ class FullPath:
         self._lock = threading.Lock()
         self._counts = {"encodes": 0, "gpu": 0, "chunked": 0, "chars": 0}
 
-    def encode(self, tok: FrozenTokenizer, text: str, utf8: bytes | None = None) -> np.ndarray:
+    def encode(self, tok: FrozenTokenizer, text: str, utf8: bytes | None = None,
+               form: str | None = None) -> np.ndarray:
         """Exactly `tok.encode(text)`; `utf8` is `text`'s UTF-8 when the caller holds it (the GPU
-        takes bytes: encoding a large str again would cost more than its kernels)."""
-        ids = self.gpu.try_encode(tok, text, utf8) if self.gpu is not None else None
+        takes bytes: encoding a large str again would cost more than its kernels), `form` its
+        `nfc_form_of` (a session start asked already)."""
+        ids = self.gpu.try_encode(tok, text, utf8, form) if self.gpu is not None else None
         on_gpu = ids is not None
         chunked = False
         if ids is None:
-            ids, chunked = _encode_cpu(tok, text, self.config)
+            ids, chunked = _encode_cpu(tok, text, self.config, form)
         with self._lock:
             c = self._counts
             c["encodes"] += 1
@@ -173,16 +198,17 @@ class FullPath:
             c["chars"] += len(text)
         return ids
 
-    def start(self, tok: FrozenTokenizer, text: str):
+    def start(self, tok: FrozenTokenizer, text: str, check_nfc: bool = True):
         """A session start's first pass on the CPU, for `Session` to lay out in its own buffers
         (`toktier.native.NativeEngine.start_chunks`: the same IDs as `encode`, and no whole-text copy
         on the calling thread), or None: then `encode` serves it (a GPU is given, the reference
-        engine serves `tok`, or a chunk needs the reference)."""
+        engine serves `tok`, or a chunk needs the reference).  `check_nfc` False: the caller vouches
+        that an NFC family's normalizer leaves `text` as it is (`NativeEngine.normalized`)."""
         nat = tok.native
         if self.gpu is not None or nat is None or not nat.active:
             return None
         cuts = _native_cuts(tok, text, self.config)
-        staged = nat.start_chunks(text, cuts)
+        staged = nat.start_chunks(text, cuts, check_nfc)
         if staged is None:
             return None
         with self._lock:

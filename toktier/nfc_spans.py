@@ -16,69 +16,147 @@ why the session's stable boundaries (both sides inert in NFC families) always co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from .boundaries import char_byte_offsets
 from .families import I
-
-if TYPE_CHECKING:
-    from .registry import FrozenTokenizer
 
 Span = tuple[int, int, int]  # (raw start, raw end, normalized length - raw length), bytes
 
-#: More candidate spans than this and a text is left unspliceable: normalizing each span
-#: separately would cost more than the full path it saves.
+#: More changed spans than this and a text is left unspliceable: each repair would map
+#: positions through them all.
 MAX_NFC_SPANS = 4096
 
+#: A private-use character: NFC-inert on both sides, so NFC of spans joined by it is the spans'
+#: NFC joined by it (one normalizer call for all of a text's spans).
+_SEP = "\ue000"
 
-def nfc_spans(tok: "FrozenTokenizer", text: bytes) -> tuple[list[Span], bytes] | None:
-    """The spans of `text` the tokenizer's normalizer changes, and the text with them normalized.
+Edit = tuple[int, int, str]  # (raw start, raw end, normalized), characters
 
-    A candidate span covers a run of non-NFC-inert characters, starting at the inert
-    character before it and ending before the next inert one.  Returns the spans the
-    engine's normalizer changes (sorted) and the piecewise-normalized text, or None when
-    there are none or more than `MAX_NFC_SPANS` candidates.
+
+def _runs(tok, text: str, native) -> tuple[np.ndarray, np.ndarray]:
+    """Maximal runs [a, b) of non-NFC-inert characters (the native engine's scan, else the class table)."""
+    if native is not None:
+        r = native.nfc_runs(text)
+        return r[0::2], r[1::2]
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    bad = ((tok.classes[cps] & I) == 0).view(np.int8)
+    d = np.diff(np.concatenate(([0], bad, [0])).astype(np.int8))
+    return np.flatnonzero(d == 1), np.flatnonzero(d == -1)
+
+
+def nfc_edits(tok, text: str, native=None) -> list[Edit] | None:
+    """Where the tokenizer's normalizer changes `text` as its reference applies it: (start, end,
+    normalized) character spans, sorted, [] when it changes nothing; None when a literal holds a
+    character NFC may change, or a literal is matched on normalized text (``normalized=True``).
+
+    Each span is a run of non-NFC-inert characters with the inert character before it, unless a
+    literal ends there: the reference splits literals off the raw text and normalizes each gap on
+    its own (a ``>`` ending a literal never composes with a U+0338 after it).  NFC of a gap is NFC
+    of its pieces cut before each inert character (``charclass.nfc_inert_mask``), so normalizing
+    these spans (in one call, joined by `_SEP`) normalizes the text.  `native`: the `NativeEngine`
+    whose literal split is the reference's (default ``tok.native``); without one the literals are
+    not looked at (callers that have none verify what they build).
     """
-    s = text.decode("utf-8")
-    cps = np.frombuffer(s.encode("utf-32-le"), dtype="<u4")
-    inert = (tok.classes[cps] & I) != 0
-    bad = np.flatnonzero(~inert)
-    if not len(bad) or tok.engine.normalize(s) == s:  # one call settles most texts (Thai, Hindi: marks NFC keeps)
-        return None
-    # Each non-inert character's span: [the inert character before it, the next inert one).
-    inert_idx = np.flatnonzero(inert)
-    if len(inert_idx):
-        k = np.searchsorted(inert_idx, bad)  # inert characters before each bad one
-        starts = np.where(k > 0, inert_idx[np.maximum(k - 1, 0)], 0)
-        ends = np.where(k < len(inert_idx), inert_idx[np.minimum(k, len(inert_idx) - 1)], len(cps))
-    else:
-        starts, ends = np.zeros_like(bad), np.full_like(bad, len(cps))
-    spans: list[list[int]] = []
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        if spans and a <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], b)
-        else:
-            spans.append([a, b])
-        if len(spans) > MAX_NFC_SPANS:
+    nat = native if native is not None else tok.native
+    ra, rb = _runs(tok, text, nat)
+    if not len(ra):
+        return []
+    starts = np.where(ra > 0, ra - 1, ra)
+    if nat is not None:
+        if any(lit.normalized for lit in tok.engine.literals):
             return None
-    _, offs = char_byte_offsets(s)
+        lits = nat.literal_spans(text)
+        la, lb = lits[0::2], lits[1::2]
+        if len(la):
+            k = np.searchsorted(la, rb, "left") - 1  # the last literal starting before each run ends
+            if np.any((k >= 0) & (lb[np.maximum(k, 0)] > ra)):
+                return None
+            k = np.searchsorted(la, ra - 1, "right") - 1
+            ends_here = (k >= 0) & (lb[np.maximum(k, 0)] == ra)  # a literal ends where the run starts
+            starts = np.where(ends_here, ra, starts)
+    # spans that touch become one (as the session's dirty spans always were)
+    first = np.concatenate(([True], starts[1:] > rb[:-1]))
+    last = np.concatenate((first[1:], [True]))
+    return _rewrites(tok.engine.normalize, text, starts[first].tolist(), rb[last].tolist())
+
+
+def _rewrites(normalize, text: str, starts: list[int], ends: list[int]) -> list[Edit]:
+    """(start, end, normalized) for each span [starts[i], ends[i]) of `text` that `normalize` changes."""
+    raws = [text[a:b] for a, b in zip(starts, ends)]
+    joined = _SEP.join(raws)
+    parts = None
+    if joined.count(_SEP) == len(raws) - 1:  # no span holds the separator
+        norm = normalize(joined)
+        if norm == joined:
+            return []
+        parts = norm.split(_SEP)
+    if parts is None or len(parts) != len(raws):
+        parts = [normalize(r) for r in raws]  # (a text holding the separator: one call per span)
+    return [(a, b, p) for a, b, r, p in zip(starts, ends, raws, parts) if p != r]
+
+
+def nfc_form(tok, text: str, native=None) -> str | None:
+    """`text` as the reference tokenizes it (`nfc_edits` applied: each gap between added-token
+    literals NFC-normalized by the engine's own normalizer, the literals kept); `text` itself when
+    that changes nothing; None when it is not certain.
+
+    For an NFC family, the native engine's encode of the result without its NFC check equals the
+    reference's encode of `text`.  Certified, not assumed: the literals the native engine finds in
+    the result must be the same ones, shifted by the rewrites before them.  `native` as in
+    `nfc_edits`; None also without a native engine, and the caller encodes with the reference.
+    """
+    nat = native if native is not None else tok.native
+    if nat is None:
+        return None
+    edits = nfc_edits(tok, text, nat)
+    if edits is None:
+        return None
+    if not edits:
+        return text
+    parts: list[str] = []
+    ends_at: list[int] = []
+    shift: list[int] = []  # length change of the rewrites up to each one
+    prev = delta = 0
+    for a, b, norm in edits:
+        parts += [text[prev:a], norm]
+        prev = b
+        delta += len(norm) - (b - a)
+        ends_at.append(b)
+        shift.append(delta)
+    parts.append(text[prev:])
+    out = "".join(parts)
+    lits = nat.literal_spans(text)
+    j = np.searchsorted(np.array(ends_at, dtype=np.int64), lits, "right") - 1  # rewrites before each edge
+    want = lits + np.where(j >= 0, np.array(shift, dtype=np.int64)[np.maximum(j, 0)], 0)
+    return out if np.array_equal(nat.literal_spans(out), want) else None
+
+
+def nfc_spans(tok, text: bytes, chars: str | None = None) -> tuple[list[Span], bytes] | None:
+    """The spans of `text` the tokenizer's normalizer changes (`nfc_edits`), in bytes, and the text
+    with them normalized; None when there are none, more than `MAX_NFC_SPANS`, or `nfc_edits`
+    cannot say.  `chars`: `text` decoded, when the caller has it."""
+    s = chars if chars is not None else text.decode("utf-8")
+    edits = nfc_edits(tok, s)
+    if not edits or len(edits) > MAX_NFC_SPANS:
+        return None
+    edges = np.array([x for a, b, _ in edits for x in (a, b)], dtype=np.int64)
+    if tok.native is not None:
+        offs = tok.native.utf8_offsets(s, edges).tolist()
+    else:
+        offs, at, nb = [], 0, 0
+        for c in edges.tolist():
+            nb += len(s[at:c].encode("utf-8"))
+            offs.append(nb)
+            at = c
     out: list[Span] = []
     parts: list[bytes] = []
     prev = 0
-    for a, b in spans:
-        raw = s[a:b]
-        norm = tok.engine.normalize(raw)
-        if norm == raw:
-            continue
-        ra, rb = int(offs[a]), int(offs[b])
+    for i, (_a, _b, norm) in enumerate(edits):
+        ra, rb = offs[2 * i], offs[2 * i + 1]
         nb = norm.encode("utf-8")
         parts += [text[prev:ra], nb]
-        prev = rb
         out.append((ra, rb, len(nb) - (rb - ra)))
-    if not out:
-        return None
+        prev = rb
     parts.append(text[prev:])
     return out, b"".join(parts)
 

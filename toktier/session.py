@@ -74,7 +74,7 @@ import numpy as np
 from .buffers import Allocator, GrowableU32
 from .errors import InvalidEditRange, InvalidState, InvalidText
 from .families import I
-from .fullpath import FullPath
+from .fullpath import FullPath, nfc_form_of
 from .nfc_spans import SpanMap, nfc_spans
 from .native import LANE_PARALLEL_MIN_BYTES
 from .offsets import STRIDE, SparseOffsets
@@ -199,12 +199,16 @@ class Session:
         # An operator (e.g. the shadow verifier on a mismatch) may switch splicing off.
         self.fast_path = True
         if text:
-            if isinstance(text, str) and self._start(text):
-                return
+            form = None
+            if isinstance(text, str):
+                # (an NFC family's text the normalizer changes is encoded in its normalized form)
+                form = nfc_form_of(self.tokenizer, text) if self._spliceable else None
+                if form is text and self._start(text):
+                    return
             data = _to_utf8(text)
             if len(data) >= MAX_TEXT_BYTES:
                 raise InvalidText(f"session text would exceed {MAX_TEXT_BYTES} bytes (uint32 token offsets)")
-            self._full(data, len(text), reason="initial text", text=text)
+            self._full(data, len(text), reason="initial text", text=text, form=form)
 
     def _start(self, text: str) -> bool:
         """The session start through the native engine's staged chunks (`FullPath.start`): the IDs, the
@@ -212,11 +216,14 @@ class Session:
         buffers, so the calling thread copies nothing of the whole text (`_full` encoded it to bytes,
         concatenated the chunks' IDs, then copied both and walked the IDs for the checkpoints: ~4 ms
         of a 4M-character start).  False, with nothing changed: `_full` serves it (no native engine,
-        a GPU, NFC families' non-ASCII text, anything the proof below does not cover)."""
+        a GPU, anything the proof below does not cover).  `text` must be its own `nfc_form_of`."""
         tok = self.tokenizer
-        if not self._spliceable or (tok.family_info.nfc and not text.isascii()):
-            return False  # (NFC spans are found by `_install_offsets`' general path)
-        staged = self.full_path.start(tok, text)
+        if not self._spliceable:
+            return False
+        # The caller found `text` to be its own `nfc_form_of` (its tokens tile it as a normalizer-free
+        # family's do); one the normalizer changes goes to `_full` and `_install_offsets` (the spans
+        # it changes, kept as dirty spans).
+        staged = self.full_path.start(tok, text, check_nfc=False)
         if staged is None:
             return False
         if staged.num_bytes >= MAX_TEXT_BYTES:
@@ -554,8 +561,10 @@ class Session:
         new_text = bytes(self._text[:s]) + data + bytes(self._text[e:])
         return self._full(new_text, self._nchars + dchars, reason)
 
-    def _full(self, new_text: bytes, nchars: int, reason: str, text: str | None = None) -> OpResult:
-        """Re-tokenize all of `new_text` (UTF-8; `text`: the same as a str when the caller has it)."""
+    def _full(self, new_text: bytes, nchars: int, reason: str, text: str | None = None,
+              form: str | None = None) -> OpResult:
+        """Re-tokenize all of `new_text` (UTF-8; `text`: the same as a str when the caller has it,
+        `form`: its `nfc_form_of`)."""
         tok = self.tokenizer
         if len(new_text) >= 1 << 16 and self._spliceable:
             # once per tokenizer, inside this slower op: a long piece's first cut should not pay for it
@@ -564,7 +573,7 @@ class Session:
                 case_table_of(tok)
         if text is None:
             text = new_text.decode("utf-8")
-        ids = self.full_path.encode(tok, text, new_text)  # GPU or parallel chunks when large
+        ids = self.full_path.encode(tok, text, new_text, form)  # GPU or parallel chunks when large
         old = self._ids.view()
         m = min(len(old), len(ids))
         diff = np.flatnonzero(old[:m] != ids[:m])
@@ -573,7 +582,7 @@ class Session:
         self._ids.reserve(len(ids))  # allocate before mutating anything
         if self._spliceable:
             self._starts.reserve_for(len(ids))
-            self._install_offsets(ids, new_text)
+            self._install_offsets(ids, new_text, text)
         self._ids.assign(ids)
         self._text[:] = new_text
         self._lookback = {}
@@ -584,14 +593,15 @@ class Session:
         self.stats.full_reasons[reason] = self.stats.full_reasons.get(reason, 0) + 1
         return OpResult(self._ids.view(), first_changed, RepairPath.FULL, 0, reason)
 
-    def _install_offsets(self, ids: np.ndarray, text: bytes) -> None:
+    def _install_offsets(self, ids: np.ndarray, text: bytes, chars: str | None = None) -> None:
         """Token starts for `ids`, the reference encoding of `text`; sets `_tiles` and `_dirty`.
 
         The tokens' bytes tile the text, or (NFC families) tile it with each span the
         normalizer changes replaced by its normalized form: then starts are kept in those
         normalized coordinates and the spans are remembered, so that repairs anywhere else
         still splice (a decomposed file name early in a session costs nothing later).
-        Otherwise no splice is provable for this text (`_tiles` False).
+        Otherwise no splice is provable for this text (`_tiles` False).  `chars`: `text` decoded,
+        when the caller has it.
         """
         tok = self.tokenizer
         if not tok.family_info.nfc or text.isascii():
@@ -606,7 +616,7 @@ class Session:
         dirty: list[tuple[int, int, int]] = []
         ok = self._tiles_exactly(ids, text, lens)
         if not ok and self.tokenizer.family_info.nfc:
-            found = nfc_spans(self.tokenizer, text)
+            found = nfc_spans(self.tokenizer, text, chars)
             if found is not None:
                 dirty, normalized = found
                 ok = self._tiles_exactly(ids, normalized, lens)
@@ -956,6 +966,8 @@ class Session:
 
 def _spells(tok: FrozenTokenizer, ids: np.ndarray, lens: np.ndarray, text: bytes) -> bool:
     """Whether the tokens' canonical bytes concatenate to `text` (lengths already sum to it)."""
+    if tok.native is not None:  # its token blob is the same one, compared in compiled code
+        return tok.native.spells(ids, text)
     from .errors import UnsupportedTokenizer
     from .gpu.tables import bpe_tables  # the token bytes as one blob (built once per tokenizer)
 

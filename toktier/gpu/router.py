@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..fullpath import nfc_form_of
 from .tables import rules_for
 
 
@@ -37,16 +38,32 @@ class RouterConfig:
 
 
 def gpu_eligible(tok, text: str, cfg: RouterConfig = RouterConfig()) -> tuple[bool, str]:
-    """(eligible, reason) for sending `text` to the GPU path (ignoring device availability)."""
+    """(eligible, reason) for sending `text` to the GPU path (ignoring device availability).
+    An NFC family's text the normalizer changes is not; `Router` sends its `gpu_form` instead."""
+    ok, why = _eligible_size(tok, text, cfg)
+    if ok and tok.family_info is not None and tok.family_info.nfc and tok.engine.normalize(text) != text:
+        return False, "NFC changes the text"
+    return ok, why
+
+
+def gpu_form(tok, text: str) -> str | None:
+    """What the GPU encodes for `text` (`fullpath.nfc_form_of`: `text`, or an NFC family's text in
+    the form its reference tokenizes, certified; the kernels model the pre-tokenizer and BPE, not
+    the normalizer); None: the CPU takes it."""
+    form = nfc_form_of(tok, text)
+    nat = tok.native
+    if form is None and (nat is None or nat.demoted is not None):
+        return text if tok.engine.normalize(text) == text else None  # no native engine to ask
+    return form
+
+
+def _eligible_size(tok, text: str, cfg: RouterConfig) -> tuple[bool, str]:
     rules = rules_for(tok)
     if rules is None:
         return False, "family has no GPU pre-tokenizer model"
     n = len(text)  # UTF-8 bytes lie in [n, 4n]: encode only when that does not decide
     if n * 4 <= cfg.min_gpu_bytes or (n <= cfg.min_gpu_bytes and len(text.encode("utf-8")) <= cfg.min_gpu_bytes):
         return False, "small"
-    fam = tok.family_info
-    if fam is not None and fam.nfc and tok.engine.normalize(text) != text:
-        return False, "NFC changes the text"
     return True, "ok"
 
 
@@ -73,15 +90,22 @@ class Router:
             self._driver = available_driver() or False
         return self._driver or None
 
-    def try_encode(self, tok, text: str, utf8: bytes | None = None) -> np.ndarray | None:
+    def try_encode(self, tok, text: str, utf8: bytes | None = None, form: str | None = None) -> np.ndarray | None:
         """IDs from the GPU, or None when the request belongs on the CPU (the caller encodes it there).
-        `utf8`: `text`'s UTF-8 when the caller has it (the driver then does not encode it again)."""
+        `utf8`: `text`'s UTF-8 when the caller has it (the driver then does not encode it again);
+        `form`: its `gpu_form` when the caller has it."""
         drv = self.driver()  # probed once; cheap None without a device
         if drv is None:
             self._count("cpu")
             return None
-        ok, _why = gpu_eligible(tok, text, self.cfg)
-        drv = drv if ok else None
+        ok, _why = _eligible_size(tok, text, self.cfg)
+        if ok and form is None:
+            form = gpu_form(tok, text)
+        elif not ok:
+            form = None
+        if form is not text:
+            utf8 = None  # (the normalized form's bytes differ from the caller's)
+        drv = drv if form is not None else None
         if drv is not None and hasattr(drv, "verified") and not drv.verified(tok):
             drv = None
         if drv is not None:
@@ -93,7 +117,7 @@ class Router:
                 self._count("spill")
             else:
                 try:
-                    ids = drv.encode(tok, text if utf8 is None else utf8, with_spans=False)[0]
+                    ids = drv.encode(tok, form if utf8 is None else utf8, with_spans=False)[0]
                     self._count("gpu")
                     return ids
                 finally:

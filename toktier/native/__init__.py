@@ -53,7 +53,8 @@ class NativeEngine:
         # they stay warm across the full path's short-lived chunk threads and server workers.
         self.pool = _core.CachePool(MAX_IDLE_CACHES)
         self.demoted: str | None = None  # why it no longer serves (a confirmed shadow mismatch)
-        self.nfc_fallbacks = 0  # NFC-family texts the normalizer changes: the reference encoded them
+        self.nfc_fallbacks = 0  # NFC-family texts `nfc_form` could not certify: the reference encoded them
+        self.nfc_rewrites = 0  # NFC-family texts the normalizer changes, encoded in their normalized form
         self._lane = None
         self.lane_threads = CORES  # threads the compiled lane may use for one big window
 
@@ -87,29 +88,59 @@ class NativeEngine:
             if status == _core.SURROGATE:  # the reference's answer, typed error included
                 return self._tok.engine.encode_fast(text), None
             if status == _core.NEEDS_NFC:
-                if self._tok.engine.normalize(text) != text:
-                    self.nfc_fallbacks += 1
+                form = self.normalized(text)
+                if form is None:
                     return self._tok.engine.encode_fast(text), None
-                status, ids, starts = self._core.encode(text, cache, want_starts, False)
+                # the text's own offsets only when the normalizer left it as it is
+                status, ids, starts = self._core.encode(form, cache, want_starts and form is text, False)
         finally:
             self._give(cache)
         return ids, starts
 
-    def encode_chunks(self, text: str, cuts: list[int]) -> np.ndarray | None:
+    def normalized(self, text: str) -> str | None:
+        """`text` as an NFC family's reference tokenizes it (`nfc_spans.nfc_form`): `text` itself when
+        its normalizer leaves it as it is; None when the reference must encode it (counted)."""
+        from ..nfc_spans import nfc_form
+
+        form = nfc_form(self._tok, text, self)
+        if form is None:
+            self.nfc_fallbacks += 1
+        elif form is not text:
+            self.nfc_rewrites += 1
+        return form
+
+    def nfc_runs(self, text: str) -> np.ndarray:
+        """Runs of characters an NFC normalizer may change, flat (start, end) pairs (`CoreEngine.nfc_runs`)."""
+        return self._core.nfc_runs(text)
+
+    def spells(self, ids: np.ndarray, data: bytes) -> bool:
+        """Whether the tokens' canonical bytes concatenate to `data` (`CoreEngine.spells`)."""
+        return self._core.spells(ids, data)
+
+    def utf8_offsets(self, text: str, positions: np.ndarray) -> np.ndarray:
+        """UTF-8 byte offsets of ascending character offsets (`CoreEngine.utf8_offsets`)."""
+        return self._core.utf8_offsets(text, positions)
+
+    def literal_spans(self, text: str) -> np.ndarray:
+        """The literals the engine splits off first, flat (start, end) pairs (`CoreEngine.literal_spans`)."""
+        return self._core.literal_spans(text)
+
+    def encode_chunks(self, text: str, cuts: list[int], check_nfc: bool = True) -> np.ndarray | None:
         """Exactly ``tok.encode(text)`` for `text` cut at `cuts` (standalone-stable character offsets,
         `fullpath.chunk_cuts`), one thread per chunk in compiled code; None when a chunk needs the
-        reference (an NFC-changeable character, a surrogate): the caller encodes chunk by chunk then."""
+        reference (an NFC-changeable character, a surrogate): the caller encodes chunk by chunk then.
+        `check_nfc` False: `text` is its own `normalized` form (the caller made it so)."""
         if self.demoted is not None:
             return None
         caches = [self._take() for _ in range(len(cuts) + 1)]
         try:
-            status, ids, _ = self._core.encode_chunks(text, cuts, caches, False)
+            status, ids, _ = self._core.encode_chunks(text, cuts, caches, False, check_nfc)
         finally:
             for cache in caches:
                 self._give(cache)
         return ids if status == 0 else None
 
-    def start_chunks(self, text: str, cuts: list[int]):
+    def start_chunks(self, text: str, cuts: list[int], check_nfc: bool = True):
         """A session start's first pass (`_engine.CoreEngine.start_chunks`): `text` encoded at `cuts`
         (standalone-stable, possibly none), a thread per chunk; the `StagedStart` whose `write`
         lays the ids, the UTF-8 and the checkpoints out in the session's own buffers, or None when a
@@ -120,7 +151,7 @@ class NativeEngine:
         try:
             table = self._tok.table
             status, staged = self._core.start_chunks(text, cuts, caches, self._tok.token_len,
-                                                     table.uncertain if table.any_uncertain else None)
+                                                     table.uncertain if table.any_uncertain else None, check_nfc)
         finally:
             for cache in caches:
                 self._give(cache)

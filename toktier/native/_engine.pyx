@@ -10,7 +10,7 @@ Python side lends them), so concurrent encodes share nothing mutable.
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT,
@@ -47,6 +47,9 @@ cdef extern from "engine.hpp" namespace "ttn":
         cbool whole_piece_lookup
         int rules
 
+    cdef cppclass Literal:
+        int64_t a, b, id
+
     cdef cppclass Trie:
         void add(const uint32_t* cps, int64_t n, int64_t id) except +
 
@@ -78,7 +81,11 @@ cdef extern from "engine.hpp" namespace "ttn":
         int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
         int encode_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
                              const vector[PieceCache*]& caches, cbool want_starts, vector[Output]& outs,
-                             vector[int64_t]& nbytes) except + nogil
+                             vector[int64_t]& nbytes, const uint8_t* u8, const int64_t* at,
+                             cbool check_nfc) except + nogil
+        void literals[T](const T* s, int64_t n, vector[Literal]& lits) except + nogil
+        void nfc_runs[T](const T* s, int64_t n, vector[int64_t]& out) except + nogil
+        void utf8_offsets[T](const T* s, int64_t n, const int64_t* pos, int64_t k, int64_t* out) nogil
         void assemble_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
                                 const vector[Output]& outs, const vector[int64_t]& nbytes, ChunkSums& sums,
                                 uint32_t* ids, uint8_t* u8, uint32_t* cp, int64_t stride) except + nogil
@@ -197,7 +204,8 @@ cdef int _chunk_args(cuts, list caches, int64_t n, vector[int64_t]& cv, vector[P
 
 
 cdef int _encode_chunks(Engine* e, str text, const vector[int64_t]& cv, const vector[PieceCache*]& cc,
-                        cbool want_starts, vector[Output]& outs, vector[int64_t]& nbytes) except? -1:
+                        cbool want_starts, vector[Output]& outs, vector[int64_t]& nbytes,
+                        cbool check_nfc=True) except? -1:
     """`Engine::encode_chunks` over `text`'s own code points (its PEP 393 width), without the GIL."""
     cdef int kind = PyUnicode_KIND(text)
     cdef void* data = PyUnicode_DATA(text)
@@ -206,11 +214,14 @@ cdef int _encode_chunks(Engine* e, str text, const vector[int64_t]& cv, const ve
     cdef int status
     with nogil:
         if kind == 1:
-            status = e.encode_chunks[uint8_t](<const uint8_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes)
+            status = e.encode_chunks[uint8_t](<const uint8_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes,
+                                                   NULL, NULL, check_nfc)
         elif kind == 2:
-            status = e.encode_chunks[uint16_t](<const uint16_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes)
+            status = e.encode_chunks[uint16_t](<const uint16_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes,
+                                                   NULL, NULL, check_nfc)
         else:
-            status = e.encode_chunks[uint32_t](<const uint32_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes)
+            status = e.encode_chunks[uint32_t](<const uint32_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes,
+                                                   NULL, NULL, check_nfc)
     return status
 
 
@@ -392,10 +403,11 @@ cdef class CoreEngine:
         starts = _i64(out.starts.data(), out.starts.size()) if want_starts else None
         return 0, ids, starts
 
-    def encode_chunks(self, str text, cuts, list caches, bint want_starts=False):
+    def encode_chunks(self, str text, cuts, list caches, bint want_starts=False, bint check_nfc=True):
         """`encode` of `text` cut at character offsets `cuts` (ascending, each a standalone-stable
         boundary), one thread per chunk (this one encodes the first), each with its own cache
-        from `caches` (len(cuts) + 1 of them): (status, ids, byte starts or None)."""
+        from `caches` (len(cuts) + 1 of them): (status, ids, byte starts or None).  `check_nfc`
+        False: the caller vouches that the family's normalizer leaves `text` as it is."""
         if PyUnicode_GET_LENGTH(text) > MAX_CHARS:
             return SURROGATE, None, None
         cdef int64_t n = PyUnicode_GET_LENGTH(text)
@@ -404,7 +416,7 @@ cdef class CoreEngine:
         _chunk_args(cuts, caches, n, cv, cv_caches)
         cdef vector[Output] outs
         cdef vector[int64_t] nbytes
-        cdef int status = _encode_chunks(self.e, text, cv, cv_caches, want_starts, outs, nbytes)
+        cdef int status = _encode_chunks(self.e, text, cv, cv_caches, want_starts, outs, nbytes, check_nfc)
         if status != 0:
             return status, None, None
         cdef size_t total = 0, i, j, at = 0
@@ -427,10 +439,11 @@ cdef class CoreEngine:
             base += nbytes[i]
         return 0, ids, starts
 
-    def start_chunks(self, str text, cuts, list caches, token_len, uncertain=None):
+    def start_chunks(self, str text, cuts, list caches, token_len, uncertain=None, bint check_nfc=True):
         """A session start's first pass: `encode_chunks` of `text` at `cuts` (may be empty: one
         chunk, on this thread).  `token_len` (uint32 per id) and `uncertain` (uint8 per id, or None
-        when no id is) are what `StagedStart.write` sums.  Returns (status, `StagedStart` or None)."""
+        when no id is) are what `StagedStart.write` sums; `check_nfc` as in `encode_chunks`.
+        Returns (status, `StagedStart` or None)."""
         if PyUnicode_GET_LENGTH(text) > MAX_CHARS:
             return SURROGATE, None
         cdef StagedStart st = StagedStart.__new__(StagedStart)
@@ -457,7 +470,7 @@ cdef class CoreEngine:
         st.n = n
         st.kind = PyUnicode_KIND(text)
         st.ascii = PyUnicode_IS_ASCII(text) != 0
-        cdef int status = _encode_chunks(self.e, text, st.cuts, cv_caches, False, st.outs, st.nbytes)
+        cdef int status = _encode_chunks(self.e, text, st.cuts, cv_caches, False, st.outs, st.nbytes, check_nfc)
         if status != 0:
             return status, None
         cdef size_t i
@@ -465,6 +478,95 @@ cdef class CoreEngine:
             st.num_ids += st.outs[i].ids.size()
             st.num_bytes += st.nbytes[i]
         return 0, st
+
+    def spells(self, ids, data) -> bool:
+        """Whether the canonical bytes of the tokens `ids` (uint32) concatenate to `data` (bytes-like):
+        a session's proof that an NFC family's tokens tile the normalized text, one memcmp a token."""
+        cdef const uint32_t[::1] iv = np.ascontiguousarray(ids, dtype=np.uint32)
+        cdef const uint8_t[::1] dv = memoryview(data).cast("B") if len(data) else np.zeros(1, np.uint8)
+        cdef const uint32_t[::1] to = self._keep[7]
+        cdef const uint8_t[::1] tb = self._keep[8]
+        cdef const uint8_t* blob = &tb[0]
+        cdef const uint8_t* d = &dv[0]
+        cdef int64_t nd = len(data), pos = 0
+        cdef size_t n = iv.shape[0], i
+        cdef uint32_t tid, o, ln, n_off = to.shape[0]
+        cdef bint ok = True
+        with nogil:
+            for i in range(n):
+                tid = iv[i]
+                if tid + 1 >= n_off:
+                    ok = False
+                    break
+                o = to[tid]
+                ln = to[tid + 1] - o
+                if pos + ln > nd or (ln and memcmp(blob + o, d + pos, ln) != 0):
+                    ok = False
+                    break
+                pos += ln
+        return ok and pos == nd
+
+    def literal_spans(self, str text):
+        """The added-token literals `encode` splits off `text` first, as flat (start, end) character
+        offset pairs (int64), in order."""
+        cdef vector[Literal] lits
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        with nogil:
+            if kind == 1:
+                self.e.literals[uint8_t](<const uint8_t*>data, n, lits)
+            elif kind == 2:
+                self.e.literals[uint16_t](<const uint16_t*>data, n, lits)
+            else:
+                self.e.literals[uint32_t](<const uint32_t*>data, n, lits)
+        out = np.empty(2 * lits.size(), dtype=np.int64)
+        cdef int64_t[::1] ov = out
+        cdef size_t i
+        for i in range(lits.size()):
+            ov[2 * i] = lits[i].a
+            ov[2 * i + 1] = lits[i].b
+        return out
+
+    def utf8_offsets(self, str text, positions):
+        """The UTF-8 byte offsets in `text` of the ascending character offsets `positions` (int64)."""
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if len(pos) > 1 and np.any(pos[1:] < pos[:-1]):
+            raise ValueError("positions must be ascending")
+        out = np.empty(len(pos), dtype=np.int64)
+        if not len(pos):
+            return out
+        cdef const int64_t[::1] pv = pos
+        cdef int64_t[::1] ov = out
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text), k = len(pos)
+        with nogil:
+            if kind == 1:
+                self.e.utf8_offsets[uint8_t](<const uint8_t*>data, n, &pv[0], k, &ov[0])
+            elif kind == 2:
+                self.e.utf8_offsets[uint16_t](<const uint16_t*>data, n, &pv[0], k, &ov[0])
+            else:
+                self.e.utf8_offsets[uint32_t](<const uint32_t*>data, n, &pv[0], k, &ov[0])
+        return out
+
+    def nfc_runs(self, str text):
+        """Maximal runs of characters an NFC normalizer may rewrite or compose with what precedes
+        them (non-ASCII, not NFC-inert), as flat (start, end) character offset pairs (int64)."""
+        cdef vector[int64_t] out
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        if PyUnicode_IS_ASCII(text):
+            return np.zeros(0, dtype=np.int64)
+        with nogil:
+            if kind == 1:
+                self.e.nfc_runs[uint8_t](<const uint8_t*>data, n, out)
+            elif kind == 2:
+                self.e.nfc_runs[uint16_t](<const uint16_t*>data, n, out)
+            else:
+                self.e.nfc_runs[uint32_t](<const uint32_t*>data, n, out)
+        return _i64(out.data(), out.size())
 
     @property
     def block_scanner(self):

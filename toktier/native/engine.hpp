@@ -1593,17 +1593,7 @@ class Engine {
         if (s[i] >= 0x80 && !(cls(s[i]) & NFC_INERT)) return NEEDS_NFC;
     }
     std::vector<Literal> lits;
-    if (!lit1.empty()) find_literals(lit1, s, 0, n, lits);
-    if (!lit2.empty()) {
-      std::vector<Literal> more;
-      int64_t pos = 0;
-      for (const Literal& l : lits) { find_literals(lit2, s, pos, l.a, more); pos = l.b; }
-      find_literals(lit2, s, pos, n, more);
-      if (!more.empty()) {
-        lits.insert(lits.end(), more.begin(), more.end());
-        std::sort(lits.begin(), lits.end(), [](const Literal& x, const Literal& y) { return x.a < y.a; });
-      }
-    }
+    literals(s, n, lits);
     out.ids.reserve(out.ids.size() + size_t(n / 3) + 16);
     if (out.want_starts) out.starts.reserve(out.ids.capacity());
     const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
@@ -1752,7 +1742,8 @@ class Engine {
   template <class T>
   int encode_chunks(const T* s, int64_t n, bool ascii, const std::vector<int64_t>& cuts,
                     const std::vector<PieceCache*>& caches, bool want_starts, std::vector<Output>& outs,
-                    std::vector<int64_t>& bytes, const uint8_t* u8 = nullptr, const int64_t* at = nullptr) const {
+                    std::vector<int64_t>& bytes, const uint8_t* u8 = nullptr, const int64_t* at = nullptr,
+                    bool check_nfc = true) const {
     const size_t k = cuts.size() + 1;
     outs.resize(k);  // kept capacity: a caller reusing `outs` spares the page faults
     for (Output& o : outs) {
@@ -1768,7 +1759,7 @@ class Engine {
       const bool chunk_ascii = ascii || all_ascii(c, b - a);
       outs[i].want_starts = want_starts;
       try {
-        status[i] = encode(c, b - a, chunk_ascii, true, *caches[i], outs[i], u8, at ? at + a : nullptr);
+        status[i] = encode(c, b - a, chunk_ascii, check_nfc, *caches[i], outs[i], u8, at ? at + a : nullptr);
       } catch (...) {  // std::bad_alloc: reported, never thrown across the thread
         failed[i] = 1;
         return;
@@ -1875,6 +1866,52 @@ class Engine {
       sums.uncertain[i] = flags != 0;
     };
     run_chunks(k, work);
+  }
+
+  // The added-token literals `encode` splits off first, in order: the `normalized=False` ones
+  // over the text, then the others in the gaps between them.
+  template <class T>
+  void literals(const T* s, int64_t n, std::vector<Literal>& lits) const {
+    if (!lit1.empty()) find_literals(lit1, s, 0, n, lits);
+    if (lit2.empty()) return;
+    std::vector<Literal> more;
+    int64_t pos = 0;
+    for (const Literal& l : lits) { find_literals(lit2, s, pos, l.a, more); pos = l.b; }
+    find_literals(lit2, s, pos, n, more);
+    if (!more.empty()) {
+      lits.insert(lits.end(), more.begin(), more.end());
+      std::sort(lits.begin(), lits.end(), [](const Literal& x, const Literal& y) { return x.a < y.a; });
+    }
+  }
+
+  // Maximal runs [a, b) of characters that NFC may rewrite or compose with what precedes them
+  // (non-ASCII and not NFC-inert), as flat (a, b) pairs: the only places an NFC family's
+  // normalizer can change a text (`toktier.nfc_spans.nfc_edits` normalizes around them).
+  template <class T>
+  void nfc_runs(const T* s, int64_t n, std::vector<int64_t>& out) const {
+    for (int64_t i = 0; i < n;) {
+      if (s[i] < 0x80 || (cls(s[i]) & NFC_INERT)) {
+        ++i;
+        continue;
+      }
+      int64_t j = i + 1;
+      while (j < n && s[j] >= 0x80 && !(cls(s[j]) & NFC_INERT)) ++j;
+      out.push_back(i);
+      out.push_back(j);
+      i = j;
+    }
+  }
+
+  // The UTF-8 byte offsets of the ascending character offsets pos[0, k) of s[0, n), in one pass.
+  template <class T>
+  void utf8_offsets(const T* s, int64_t n, const int64_t* pos, int64_t k, int64_t* out) const {
+    int64_t at = 0, bytes = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t p = std::min(std::max(pos[i], at), n);
+      bytes += utf8_length(s + at, p - at);
+      at = p;
+      out[i] = bytes;
+    }
   }
 
   // Piece boundaries only (character offsets; literals are pieces too): for the campaigns.
