@@ -133,3 +133,26 @@ def test_edits_skip_a_literal_that_ends_before_a_mark(tok):
     # plain '>' composes with it
     assert nfc_edits(tok, text) == [(13, 15, "\u226f")]
     assert nfc_form(tok, text) == "a<|im_end|>\u0338b\u226f"
+
+
+@SETTINGS
+@given(parts=st.lists(st.tuples(st.integers(0, 200), st.sampled_from(ATOMS)), max_size=12),
+       wide=st.sampled_from(["", "中", "😀"]))
+def test_compiled_helpers_equal_python(tok, parts, wide):
+    """`nfc_runs` (ASCII skipped 64 characters at a time), `utf8_offsets` and `spells` against Python."""
+    from toktier.nfc_spans import _runs
+
+    text = wide + "".join("a" * n + atom for n, atom in parts)  # runs at every offset of a 64-block
+    got = tok.native.nfc_runs(text)
+    ra, rb = _runs(tok, text, None)  # the class table, read in numpy
+    assert got[0::2].tolist() == ra.tolist() and got[1::2].tolist() == rb.tolist()
+    pos = sorted({0, len(text), *(p for p in got.tolist())})
+    assert tok.native.utf8_offsets(text, pos).tolist() == [len(text[:p].encode("utf-8")) for p in pos]
+    ids = tok.encode(text)
+    raw = text.encode("utf-8")
+    spelled = b"".join(tok.token_bytes[i] for i in ids.tolist())
+    assert tok.native.spells(ids, spelled)
+    assert tok.native.spells(ids, raw) == (spelled == raw)
+    if len(spelled):
+        assert not tok.native.spells(ids, spelled[:-1] + bytes([spelled[-1] ^ 1]))
+        assert not tok.native.spells(ids, spelled + b"x")

@@ -44,7 +44,8 @@ def _runs(tok, text: str, native) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(d == 1), np.flatnonzero(d == -1)
 
 
-def nfc_edits(tok, text: str, native=None) -> list[Edit] | None:
+def nfc_edits(tok, text: str, native=None, literals: np.ndarray | None = None,
+              runs: np.ndarray | None = None) -> list[Edit] | None:
     """Where the tokenizer's normalizer changes `text` as its reference applies it: (start, end,
     normalized) character spans, sorted, [] when it changes nothing; None when a literal holds a
     character NFC may change, or a literal is matched on normalized text (``normalized=True``).
@@ -55,17 +56,18 @@ def nfc_edits(tok, text: str, native=None) -> list[Edit] | None:
     of its pieces cut before each inert character (``charclass.nfc_inert_mask``), so normalizing
     these spans (in one call, joined by `_SEP`) normalizes the text.  `native`: the `NativeEngine`
     whose literal split is the reference's (default ``tok.native``); without one the literals are
-    not looked at (callers that have none verify what they build).
+    not looked at (callers that have none verify what they build).  `literals`, `runs`: its
+    `literal_spans` and `nfc_runs` of `text`, when the caller has them.
     """
     nat = native if native is not None else tok.native
-    ra, rb = _runs(tok, text, nat)
+    ra, rb = _runs(tok, text, nat) if runs is None else (runs[0::2], runs[1::2])
     if not len(ra):
         return []
     starts = np.where(ra > 0, ra - 1, ra)
     if nat is not None:
         if any(lit.normalized for lit in tok.engine.literals):
             return None
-        lits = nat.literal_spans(text)
+        lits = nat.literal_spans(text) if literals is None else literals
         la, lb = lits[0::2], lits[1::2]
         if len(la):
             k = np.searchsorted(la, rb, "left") - 1  # the last literal starting before each run ends
@@ -108,7 +110,11 @@ def nfc_form(tok, text: str, native=None) -> str | None:
     nat = native if native is not None else tok.native
     if nat is None:
         return None
-    edits = nfc_edits(tok, text, nat)
+    runs = nat.nfc_runs(text)
+    if not len(runs):
+        return text  # (nothing NFC may change: no literal scan either)
+    lits = nat.literal_spans(text)
+    edits = nfc_edits(tok, text, nat, lits, runs)
     if edits is None:
         return None
     if not edits:
@@ -125,7 +131,6 @@ def nfc_form(tok, text: str, native=None) -> str | None:
         shift.append(delta)
     parts.append(text[prev:])
     out = "".join(parts)
-    lits = nat.literal_spans(text)
     j = np.searchsorted(np.array(ends_at, dtype=np.int64), lits, "right") - 1  # rewrites before each edge
     want = lits + np.where(j >= 0, np.array(shift, dtype=np.int64)[np.maximum(j, 0)], 0)
     return out if np.array_equal(nat.literal_spans(out), want) else None

@@ -1890,15 +1890,28 @@ class Engine {
   template <class T>
   void nfc_runs(const T* s, int64_t n, std::vector<int64_t>& out) const {
     for (int64_t i = 0; i < n;) {
-      if (s[i] < 0x80 || (cls(s[i]) & NFC_INERT)) {
-        ++i;
-        continue;
+      // A block of 64 all-ASCII characters is skipped with one OR that vectorizes; any other
+      // block is read a character at a time to its end (a run may end past it).
+      const int64_t stop = std::min(n, i + 64);
+      if (stop - i == 64) {
+        uint32_t any = 0;
+        for (int k = 0; k < 64; ++k) any |= uint32_t(s[i + k]);
+        if (any < 0x80) {
+          i = stop;
+          continue;
+        }
       }
-      int64_t j = i + 1;
-      while (j < n && s[j] >= 0x80 && !(cls(s[j]) & NFC_INERT)) ++j;
-      out.push_back(i);
-      out.push_back(j);
-      i = j;
+      while (i < stop) {
+        if (s[i] < 0x80 || (cls(s[i]) & NFC_INERT)) {
+          ++i;
+          continue;
+        }
+        int64_t j = i + 1;
+        while (j < n && s[j] >= 0x80 && !(cls(s[j]) & NFC_INERT)) ++j;
+        out.push_back(i);
+        out.push_back(j);
+        i = j;
+      }
     }
   }
 
