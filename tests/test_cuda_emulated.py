@@ -129,6 +129,21 @@ def test_emulated_router_self_check_and_route(drv):
     assert spans is None and np.array_equal(ids, tok.encode(text))
 
 
+@pytest.mark.parametrize("name,fam", [("deepseek_v4", "deepseek"), ("llama3", "llama3")])
+def test_emulated_router_uploads_the_native_literals(drv, name, fam, tally):
+    """Through the router the driver gets the native engine's literal scan (`literal_bytes`), not
+    its own: a chat full of literals, after multi-byte text, must still equal the reference."""
+    from toktier.gpu.router import Router
+
+    tok = get_tokenizer(name)
+    text = chat_wrap([("user", _real_mix(40)), ("assistant", "中文 é ok")] * 3, fam)
+    assert len(tok.native.literal_bytes(text)[0]) >= 6
+    r = Router(driver=drv)
+    ids = FullPath(gpu=r).encode(tok, text)
+    assert r.last_route == "gpu" and np.array_equal(ids, tok.encode(text))
+    tally(tok, "emu-ids", len(ids))
+
+
 def test_emulated_router_sends_an_nfc_family_its_normalized_form(drv, tally):
     """qwen3 text the normalizer changes (near literals too) goes to the kernels in the form its
     reference tokenizes (`gpu_form`), no longer to the CPU."""

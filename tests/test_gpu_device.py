@@ -101,3 +101,17 @@ def test_router_sends_an_nfc_family_its_normalized_form(drv, tally):
     ids = FullPath(gpu=r).encode(tok, text)
     assert r.last_route == "gpu" and np.array_equal(ids, tok.encode(text))
     tally(tok, "gpu-ids", len(ids))
+
+
+@pytest.mark.parametrize("name,fam", [("deepseek_v4", "deepseek"), ("llama3", "llama3"), ("qwen3", "chatml")])
+def test_router_uploads_the_native_literals(drv, name, fam, tally):
+    """Through the router the driver gets the native engine's literal scan, not its own."""
+    from toktier.gpu.router import Router
+
+    tok = get_tokenizer(name)
+    body = large_text(180_000, seed=7, kind="multilingual")
+    text = chat_wrap([("user", body[k:k + 3_000]) for k in range(0, len(body), 3_000)], fam)
+    r = Router(driver=drv)
+    ids = FullPath(gpu=r).encode(tok, text)
+    assert r.last_route == "gpu" and np.array_equal(ids, tok.encode(text))
+    tally(tok, "gpu-ids", len(ids))

@@ -261,7 +261,7 @@ def test_router_routes_and_keeps_contract():
     assert router.gpu_eligible(tok, text)[0]
 
     class FakeDriver:  # the router's only dependency on a driver: encode(str or its UTF-8) -> (ids, spans)
-        def encode(self, tok, text, *, with_spans=True):
+        def encode(self, tok, text, *, with_spans=True, literals=None):
             ids, spans = bpe_model.encode_with_spans(tok, text if isinstance(text, str) else text.decode("utf-8"))
             return ids, (spans if with_spans else None)
 
@@ -296,6 +296,27 @@ def test_literal_soup(name, data, tally):
     text = "".join(parts)
     if _nfc_ok(tok, text):
         check_ids(tok, text, tally)
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS + ("o200k_harmony",))
+@SETTINGS
+@given(data=st.data())
+def test_native_literal_bytes_equal_the_driver_scan(name, data, tally):
+    """The router hands the driver the native engine's literals (`NativeEngine.literal_bytes`): the
+    same (UTF-8 start, end, id) triples as the driver's own scan of the bytes (`LiteralFinder`)."""
+    tok = get_tokenizer(name)
+    if tok.native is None:
+        pytest.skip(f"no native engine: {tok.explain()}")
+    lits = sorted({lit.content for lit in tok.engine.literals if lit.content})
+    frags = [s[: len(s) // 2] for s in lits[:40]] + [s[len(s) // 2:] for s in lits[:40]]
+    parts = data.draw(st.lists(st.sampled_from(lits[:60] + lits[-60:] + frags + ["x", " ", "<", "｜", "\n", "é", "中",
+                                                                                  "😀", "\u0301"]), max_size=40))
+    text = "".join(parts)
+    finder = pretok_model.literal_finder(tok)
+    want = finder.find(text.encode("utf-8")) if finder is not None else []
+    got = tok.native.literal_bytes(text)
+    assert [tuple(t) for t in zip(*(a.tolist() for a in got))] == [tuple(w) for w in want], repr(text)
+    tally(tok, "literals", len(want))
 
 
 def test_tables_refuse_a_rank_with_two_merged_tokens():

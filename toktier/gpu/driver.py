@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -506,19 +505,23 @@ class GpuDriver:
         return ge
 
     # -- requests ------------------------------------------------------------------------
-    def encode(self, tok, text: str | bytes, *, with_spans: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    def encode(self, tok, text: str | bytes, *, with_spans: bool = True,
+               literals: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               ) -> tuple[np.ndarray, np.ndarray | None]:
         """(ids uint32, byte start of each token int64) == the reference encode of `text`.
 
         `text` may be given as its UTF-8 bytes (a session holds them already: re-encoding a 4M-
         character str costs ~10 ms, several times the kernels).  Without `with_spans` the spans
-        stay on the device and None comes back (a session start needs only the ids)."""
+        stay on the device and None comes back (a session start needs only the ids).  `literals`:
+        the added-token literals of `text` as (UTF-8 start, end, token id) arrays, when the caller
+        found them (`NativeEngine.literal_bytes`); else the driver's own scan of the bytes."""
         raw = text if isinstance(text, (bytes, bytearray, memoryview)) else text.encode("utf-8")
         if not raw:
             return np.zeros(0, np.uint32), (np.zeros(0, np.int64) if with_spans else None)
         with self._lock:
             self.backend.enter()
             try:
-                out = self._encode_locked(tok, raw, with_spans)
+                out = self._encode_locked(tok, raw, with_spans, literals)
             finally:
                 self.backend.leave()
         if out is None:  # a status bit: the CPU answers, exactly
@@ -529,11 +532,13 @@ class GpuDriver:
             return ids, (spans if with_spans else None)
         return out
 
-    def _encode_locked(self, tok, raw: bytes, with_spans: bool = True):
+    def _encode_locked(self, tok, raw: bytes, with_spans: bool = True, literals=None):
         be = self.backend
         tk = self._tok(tok)
         lit_s, lit_e, lit_id = [], [], []
-        if tk.literal_re is not None:
+        if literals is not None:
+            lit_s, lit_e, lit_id = literals
+        elif tk.literal_re is not None:
             for a, b_, lid in tk.literal_re.find(raw):
                 lit_s.append(a), lit_e.append(b_), lit_id.append(lid)
         bk = self._bucket(max(len(raw), 2 * len(lit_s)))
@@ -545,8 +550,8 @@ class GpuDriver:
         bk.host_buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         be.htod(a["buf"], bk.host_buf[: len(raw)])
         lits = None
-        if lit_s:
-            lits = [np.array(v, np.int32) for v in (lit_s, lit_e, lit_id)]  # alive until sync 1
+        if len(lit_s):
+            lits = [np.ascontiguousarray(v, np.int32) for v in (lit_s, lit_e, lit_id)]  # alive until sync 1
             for key, arr in zip(("lit_s", "lit_e", "lit_id"), lits):
                 be.htod(a[key], arr)
         be.htod(a["meta"], meta)

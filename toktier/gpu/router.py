@@ -117,7 +117,9 @@ class Router:
                 self._count("spill")
             else:
                 try:
-                    ids = drv.encode(tok, form if utf8 is None else utf8, with_spans=False)[0]
+                    nat = tok.native  # its compiled literal scan of the str, when it serves this tokenizer
+                    lits = nat.literal_bytes(form) if nat is not None and nat.demoted is None else None
+                    ids = drv.encode(tok, form if utf8 is None else utf8, with_spans=False, literals=lits)[0]
                     self._count("gpu")
                     return ids
                 finally:

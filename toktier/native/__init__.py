@@ -125,6 +125,13 @@ class NativeEngine:
         """The literals the engine splits off first, flat (start, end) pairs (`CoreEngine.literal_spans`)."""
         return self._core.literal_spans(text)
 
+    def literal_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The literals the engine splits off `text` first as (UTF-8 start, UTF-8 end, token id), int32
+        arrays: what the GPU driver uploads (its Python scan of the bytes costs 0.5-2.5 ms per 1M)."""
+        spans, ids = self._core.literal_spans(text, True)
+        offs = self._core.utf8_offsets(text, spans).astype(np.int32) if len(spans) else spans.astype(np.int32)
+        return offs[0::2].copy(), offs[1::2].copy(), ids.astype(np.int32)
+
     def encode_chunks(self, text: str, cuts: list[int], check_nfc: bool = True) -> np.ndarray | None:
         """Exactly ``tok.encode(text)`` for `text` cut at `cuts` (standalone-stable character offsets,
         `fullpath.chunk_cuts`), one thread per chunk in compiled code; None when a chunk needs the

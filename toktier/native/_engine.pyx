@@ -506,9 +506,9 @@ cdef class CoreEngine:
                 pos += ln
         return ok and pos == nd
 
-    def literal_spans(self, str text):
+    def literal_spans(self, str text, bint with_ids=False):
         """The added-token literals `encode` splits off `text` first, as flat (start, end) character
-        offset pairs (int64), in order."""
+        offset pairs (int64), in order; `with_ids`: (those pairs, each literal's token id uint32)."""
         cdef vector[Literal] lits
         cdef int kind = PyUnicode_KIND(text)
         cdef void* data = PyUnicode_DATA(text)
@@ -521,12 +521,15 @@ cdef class CoreEngine:
             else:
                 self.e.literals[uint32_t](<const uint32_t*>data, n, lits)
         out = np.empty(2 * lits.size(), dtype=np.int64)
+        ids = np.empty(lits.size(), dtype=np.uint32)
         cdef int64_t[::1] ov = out
+        cdef uint32_t[::1] iv = ids
         cdef size_t i
         for i in range(lits.size()):
             ov[2 * i] = lits[i].a
             ov[2 * i + 1] = lits[i].b
-        return out
+            iv[i] = <uint32_t>lits[i].id
+        return (out, ids) if with_ids else out
 
     def utf8_offsets(self, str text, positions):
         """The UTF-8 byte offsets in `text` of the ascending character offsets `positions` (int64)."""

@@ -211,9 +211,9 @@ struct Trie {
   bool empty() const { return term.size() == 1; }
   // The first position from i (below n) whose character may start a literal, or n.  With at
   // most four ASCII first characters (every family's literals start with '<' or so), 16 bytes
-  // are compared at a time (SSE2); a character outside ASCII counts as a candidate when some
-  // literal starts with one, and `may_start` decides it.  A scan per character cost 6-9% of an
-  // encode.
+  // are compared at a time (SSE2), with up to four non-ASCII first characters too; past those,
+  // any character outside ASCII counts as a candidate and `may_start` decides it.  A scan per
+  // character cost 6-9% of an encode.
   template <class T>
   int64_t next_candidate(const T* s, int64_t i, int64_t n) const {
 #if defined(__SSE2__)
@@ -222,11 +222,29 @@ struct Trie {
       uint32_t firsts[4];
       for (int j = 0; j < 4; ++j) firsts[j] = first4[j < k ? j : 0];
       constexpr int per = 16 / int(sizeof(T));
-      const bool other = !first_other.empty();
-      __m128i f[4], high;
-      for (int j = 0; j < 4; ++j)
+      // Non-ASCII first characters: up to four that a T can hold are compared exactly (DeepSeek's
+      // '｜'), so other non-ASCII text is not a candidate at every character (its literal scan
+      // of mixed text went per character: 3 ms per 1M); more, and any non-ASCII one is.
+      uint32_t others[4];
+      int n_others = 0;
+      bool other = false;
+      for (uint32_t c : first_other) {
+        if (sizeof(T) < 4 && c >= (1u << (8 * sizeof(T)))) continue;  // a str of this width never holds it
+        if (n_others == 4) {
+          other = true;
+          break;
+        }
+        others[n_others++] = c;
+      }
+      for (int j = n_others; j < 4; ++j) others[j] = n_others ? others[0] : firsts[0];
+      __m128i f[4], g[4], high;
+      for (int j = 0; j < 4; ++j) {
         f[j] = sizeof(T) == 1 ? _mm_set1_epi8(char(firsts[j])) : sizeof(T) == 2 ? _mm_set1_epi16(short(firsts[j]))
                                                                                 : _mm_set1_epi32(int(firsts[j]));
+        g[j] = sizeof(T) == 1 ? _mm_set1_epi8(char(others[j])) : sizeof(T) == 2 ? _mm_set1_epi16(short(others[j]))
+                                                                                : _mm_set1_epi32(int(others[j]));
+      }
+      const bool exact_others = !other && n_others > 0;
       high = sizeof(T) == 1 ? _mm_set1_epi8(char(0x80)) : sizeof(T) == 2 ? _mm_set1_epi16(short(0xFF80))
                                                                            : _mm_set1_epi32(int(0xFFFFFF80u));
       const __m128i zero = _mm_setzero_si128();
@@ -236,14 +254,23 @@ struct Trie {
         if (sizeof(T) == 1) {
           hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, f[0]), _mm_cmpeq_epi8(x, f[1])),
                              _mm_or_si128(_mm_cmpeq_epi8(x, f[2]), _mm_cmpeq_epi8(x, f[3])));
+          if (exact_others)
+            hit = _mm_or_si128(hit, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, g[0]), _mm_cmpeq_epi8(x, g[1])),
+                                                 _mm_or_si128(_mm_cmpeq_epi8(x, g[2]), _mm_cmpeq_epi8(x, g[3]))));
           if (other) hit = _mm_or_si128(hit, _mm_xor_si128(_mm_cmpeq_epi8(_mm_and_si128(x, high), zero), _mm_set1_epi8(-1)));
         } else if (sizeof(T) == 2) {
           hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi16(x, f[0]), _mm_cmpeq_epi16(x, f[1])),
                              _mm_or_si128(_mm_cmpeq_epi16(x, f[2]), _mm_cmpeq_epi16(x, f[3])));
+          if (exact_others)
+            hit = _mm_or_si128(hit, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi16(x, g[0]), _mm_cmpeq_epi16(x, g[1])),
+                                                 _mm_or_si128(_mm_cmpeq_epi16(x, g[2]), _mm_cmpeq_epi16(x, g[3]))));
           if (other) hit = _mm_or_si128(hit, _mm_xor_si128(_mm_cmpeq_epi16(_mm_and_si128(x, high), zero), _mm_set1_epi8(-1)));
         } else {
           hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi32(x, f[0]), _mm_cmpeq_epi32(x, f[1])),
                              _mm_or_si128(_mm_cmpeq_epi32(x, f[2]), _mm_cmpeq_epi32(x, f[3])));
+          if (exact_others)
+            hit = _mm_or_si128(hit, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi32(x, g[0]), _mm_cmpeq_epi32(x, g[1])),
+                                                 _mm_or_si128(_mm_cmpeq_epi32(x, g[2]), _mm_cmpeq_epi32(x, g[3]))));
           if (other) hit = _mm_or_si128(hit, _mm_xor_si128(_mm_cmpeq_epi32(_mm_and_si128(x, high), zero), _mm_set1_epi8(-1)));
         }
         const uint32_t m = uint32_t(_mm_movemask_epi8(hit));
