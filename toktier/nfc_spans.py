@@ -8,6 +8,11 @@ NFC(text) is the concatenation of NFC of the pieces between span edges, so each 
 be normalized on its own and only those the normalizer actually changes are kept, as
 ``(raw start, raw end, byte delta)``.
 
+`nfc_edits` finds those spans as the reference normalizes (literals split off first, a gap
+normalized on its own; all spans in one normalizer call); `nfc_form` applies them, certified by
+the literals, for the native engine and the GPU to encode; `nfc_spans` gives them in bytes for
+a session's dirty spans.
+
 `SpanMap` converts positions between the raw text and its normalized form.  A position
 strictly inside a span has no counterpart on the other side (the normalizer rewrote those
 bytes); every position between two NFC-inert characters lies outside all spans, which is
