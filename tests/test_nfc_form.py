@@ -156,3 +156,10 @@ def test_compiled_helpers_equal_python(tok, parts, wide):
     if len(spelled):
         assert not tok.native.spells(ids, spelled[:-1] + bytes([spelled[-1] ^ 1]))
         assert not tok.native.spells(ids, spelled + b"x")
+
+
+def test_spells_refuses_ids_outside_the_table(tok):
+    n = len(tok.token_bytes)
+    for bad in (n, 2**32 - 1):
+        assert not tok.native.spells(np.array([bad], dtype=np.uint32), b"ab")
+    assert tok.native.spells(np.zeros(0, dtype=np.uint32), b"") and not tok.native.spells(np.zeros(0, np.uint32), b"a")

@@ -495,7 +495,7 @@ cdef class CoreEngine:
         with nogil:
             for i in range(n):
                 tid = iv[i]
-                if tid + 1 >= n_off:
+                if tid >= n_off - 1:  # (not tid + 1: an id of 2**32 - 1 would wrap)
                     ok = False
                     break
                 o = to[tid]
