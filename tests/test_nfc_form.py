@@ -163,3 +163,9 @@ def test_spells_refuses_ids_outside_the_table(tok):
     for bad in (n, 2**32 - 1):
         assert not tok.native.spells(np.array([bad], dtype=np.uint32), b"ab")
     assert tok.native.spells(np.zeros(0, dtype=np.uint32), b"") and not tok.native.spells(np.zeros(0, np.uint32), b"a")
+
+
+def test_utf8_offsets_refuses_unsorted_positions_and_clamps_out_of_range(tok):
+    with pytest.raises(ValueError, match="ascending"):
+        tok.native.utf8_offsets("aé中", [2, 1])
+    assert tok.native.utf8_offsets("aé中", [-5, 0, 3, 99]).tolist() == [0, 0, 6, 6]

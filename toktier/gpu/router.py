@@ -41,7 +41,7 @@ def gpu_eligible(tok, text: str, cfg: RouterConfig = RouterConfig()) -> tuple[bo
     """(eligible, reason) for sending `text` to the GPU path (ignoring device availability).
     An NFC family's text the normalizer changes is not; `Router` sends its `gpu_form` instead."""
     ok, why = _eligible_size(tok, text, cfg)
-    if ok and tok.family_info is not None and tok.family_info.nfc and tok.engine.normalize(text) != text:
+    if ok and gpu_form(tok, text) is not text:
         return False, "NFC changes the text"
     return ok, why
 
