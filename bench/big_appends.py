@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from bench.peers import fresh_copy
+
 NAMES = ("llama3", "o200k_base", "deepseek_v4", "qwen3", "cl100k_base")
 
 
@@ -38,7 +40,7 @@ def _peers(tok):
     with its input cache and array output, gigatoken's ndarray encode); absent when one cannot load."""
     from bench.peers import fastokens_factory, gigatoken_factory
 
-    out = []
+    out = []  # (each is timed on its own copy of the text: `bench.peers.fresh_copy`)
     for label, factory in (("fastokens", fastokens_factory), ("gigatoken", gigatoken_factory)):
         try:
             out.append((label, factory(tok)()))
@@ -89,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                     bad += 1
                     print(f"MISMATCH {name} size {size} append {i}")
                 for label, enc in peers:
+                    own = fresh_copy(text)  # (untimed) not the str whose UTF-8 the previous peer made
                     _settle_allocator()
                     t0 = time.perf_counter()
-                    enc(text)
+                    enc(own)
                     ptimes[label].append(time.perf_counter() - t0)
             peer_txt = "  ".join(f"{label} {np.median(v) * 1e3:.1f}" for label, v in ptimes.items())
             print(f"{name:<12} {size:>8,} {np.median(times) * 1e3:>8.2f} {np.median(mbs):>7.1f}  {peer_txt}",

@@ -47,7 +47,10 @@ What each timing includes (``time.perf_counter`` around):
   worker's docstring: a route its admission refuses for our file), timed inside the worker; the
   reply carries the whole stream as bytes.  ``rt`` as above (only the delta is sent).
 
-Concatenating the whole text for the stateless peers happens before their timer starts.  Every
+Concatenating the whole text for the stateless peers happens before their timer starts, and so does
+a copy of it (`fresh_copy`): each timed call gets a str object no other engine has read, because
+CPython caches a str's UTF-8 in the object for the next C extension that asks (until 4 December 2026
+the second of fastokens and gigatoken found it made: 0.4-0.8 ms per 1M characters in its favour).  Every
 8th call (i % 8 == 0) each engine's ids are compared with the reference (HF ``tokenizers`` for
 llama3, tiktoken for o200k_base); a mismatch is printed and counted, never hidden.  "TokTier lead"
 is the faster of fastokens/gigatoken's P50 divided by ours (> 1: we are faster).
@@ -194,6 +197,15 @@ def hf_encoder(tok):
     return lambda text: np.asarray(t.encode(text, add_special_tokens=False).ids, dtype=U32)
 
 
+def fresh_copy(text: str) -> str:
+    """A new str object equal to `text`.  CPython keeps a non-ASCII str's UTF-8 inside the object the
+    first time a C extension asks for it (`PyUnicode_AsUTF8AndSize`, which PyO3 uses), so an engine
+    handed the object another engine (or the reference) already read gets that conversion free
+    (0.4-0.8 ms per 1M characters of a 2-byte str).  A front end gets a new str per request: every
+    timed call here gets its own copy, made before its timer starts."""
+    return text[:-1] + text[-1:] if len(text) > 1 else text  # (a 0-1 character str caches nothing worth it)
+
+
 def p50(xs) -> float:
     return float(np.median(xs)) * 1e3 if xs else float("nan")
 
@@ -229,6 +241,7 @@ def run_cell(tok, name, size, workload, n_appends, stateless, ref, peer, peer_ap
 
     def step_stateless(k, e):
         def step(i, d, text, check, want):
+            text = fresh_copy(text)
             t0 = time.perf_counter()
             ids = e(text)
             times.setdefault(k, []).append(time.perf_counter() - t0)
@@ -344,8 +357,9 @@ def session_starts(tok, size, stateless, peer, reps=3, extra=None, seed=0, conte
             prep, fn = rows[label]
             if prep is not None:
                 fn = prep(c)
+            own = fresh_copy(c)
             t0 = time.perf_counter()
-            ids = fn(c)
+            ids = fn(own)
             times[label].append(time.perf_counter() - t0)
             exact[label] &= ids is not None and bool(np.array_equal(np.asarray(ids), r))
     out = {k: p50(v) for k, v in times.items()}

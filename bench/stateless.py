@@ -64,7 +64,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -74,6 +74,7 @@ from bench.agent_trace import machine
 from bench.baselines import EngineUnavailable, Request
 from bench.baselines.caches import SpecialBoundaryPrefixCache
 from bench.baselines.full import HFFull
+from bench.peers import fresh_copy
 from toktier import persist
 from toktier.tools.corpus import large_text
 
@@ -247,9 +248,10 @@ def run_trace(tok, trace: str, calls, peers: dict, check_every: int, seed: int, 
         rng.shuffle(order)
         got: dict[str, np.ndarray] = {}
         for name in order:
+            own = replace(c, text=fresh_copy(c.text))  # untimed: no engine finds another's UTF-8 made
             gc.disable()
             t0 = time.perf_counter()
-            r = eng[name](c)
+            r = eng[name](own)
             dt = time.perf_counter() - t0
             gc.enable()
             if name == "prefix-cache":

@@ -704,6 +704,80 @@ def test_chunked_encodes_from_many_threads_share_the_helpers_exactly():
     assert not errors
 
 
+def test_more_chunks_than_caches_from_many_threads_are_exact():
+    # A chunked call lends one piece cache per thread, not per chunk (workers.hpp: the caller
+    # is slot 0, each helper that joins takes the next slot): chunks outnumber caches here, and
+    # several callers run at once, so a slot handed to two threads at a time would show up as
+    # a wrong or torn cache entry somewhere in these IDs.
+    tok = get_tokenizer("llama3")
+    jobs = _chunk_jobs(tok)
+    core = tok.native._core
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        for r in range(3):
+            for i in range(len(jobs)):
+                text, cuts, want = jobs[(i + k + r) % len(jobs)]
+                caches = [tok.native._take() for _ in range(1 + (i + k) % 3)]
+                try:
+                    status, got, _ = core.encode_chunks(text, cuts, caches, False)
+                finally:
+                    for c in caches:
+                        tok.native._give(c)
+                if status != 0 or not np.array_equal(got, want):
+                    errors.append(f"thread {k} round {r} text {i} with {len(caches)} caches")
+
+    _run_threads(work, 5)
+    assert not errors
+
+
+# Texts whose cut searches meet literals at and around the targets, whitespace runs longer than
+# the search (no cut there: the target moves on), dense scripts and line breaks.
+def _cut_texts(tok) -> list[str]:
+    lits = [lit.content for lit in tok.engine.literals if lit.content][:6] or ["<|x|>"]
+    out = []
+    for kind in ("english", "code", "mixed", "multilingual"):
+        base = large_text(40_000, seed=21, kind=kind)
+        parts = [base[i:i + 997] + lits[(i // 997) % len(lits)] for i in range(0, len(base), 997)]
+        out.append("".join(parts))
+    out.append(("word " * 300 + " " * 5_000 + "\n\n" + "x" * 3_000 + "中文" * 2_000) * 3)
+    out.append("".join(f"{lits[i % len(lits)]}\n{i} " for i in range(4_000)))
+    return out
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_compiled_cuts_equal_the_python_search(name):
+    # `NativeEngine.cuts` (repair.hpp `Lane::text_cuts`) is `fullpath.chunk_cuts` compiled: the
+    # same offsets for every chunk size, each one a standalone-stable position no literal crosses.
+    from toktier.boundaries import stable_char_positions
+    from toktier.fullpath import chunk_cuts
+
+    tok = get_tokenizer(name)
+    for text in _cut_texts(tok):
+        ok = set(stable_char_positions(tok, text, standalone=True).tolist())
+        for chunk in (1, 64, 1_000, 4_096, 65_536):
+            got = tok.native.cuts(text, chunk)
+            assert got == chunk_cuts(tok, text, chunk), (name, chunk, text[:40])
+            assert all(q in ok for q in got)
+        # encoded at those cuts: one reference encode (an NFC family's text NFC leaves as it is;
+        # `check_nfc` off as `fullpath` does once it has the form, since any non-inert character
+        # fails the engine's own quick check)
+        if not tok.family_info.nfc or tok.engine.normalize(text) == text:
+            cuts = tok.native.cuts(text, 2_048)
+            ids = tok.native.encode_chunks(text, cuts, check_nfc=False)
+            assert np.array_equal(ids, tok.engine.encode(text))
+
+
+@SETTINGS
+@given(adv, st.integers(1, 40))
+def test_compiled_cuts_equal_the_python_search_on_adversarial_text(text, chunk):
+    from toktier.fullpath import chunk_cuts
+
+    for name in ("llama3", "qwen3", "deepseek_v4", "o200k_base"):
+        tok = get_tokenizer(name)
+        assert tok.native.cuts(text, chunk) == chunk_cuts(tok, text, chunk), name
+
+
 def test_chunked_encodes_work_in_a_forked_child():
     # A child of fork() has none of its parent's helper threads (and may hold the pool's lock
     # as the fork found it): the engine makes the child a pool of its own.
@@ -1021,8 +1095,10 @@ def test_compiled_chunks_check_their_cuts():
     box = [tok.native._take() for _ in range(4)]
     with pytest.raises(ValueError):
         tok.native._core.encode_chunks("abc def", [9], box[:2], False)
-    with pytest.raises(ValueError):
-        tok.native._core.encode_chunks("abc def", [3], box[:1], False)
+    with pytest.raises(ValueError):  # a cache per thread: none is too few
+        tok.native._core.encode_chunks("abc def", [3], [], False)
+    with pytest.raises(ValueError):  # and more threads than chunks too many
+        tok.native._core.encode_chunks("abc def", [3], box[:3], False)
     with pytest.raises(ValueError):
         tok.native._core.encode_chunks("abc def", [4, 3], box[:3], False)
     text = "déjà vu, naïve café " * 50
@@ -1030,10 +1106,11 @@ def test_compiled_chunks_check_their_cuts():
 
     cuts = chunk_cuts(tok, text, 250)[:3]
     assert len(cuts) == 3
-    status, ids, starts = tok.native._core.encode_chunks(text, cuts, box, True)
-    assert status == 0 and ids.tolist() == tok.engine.encode(text).tolist()
-    lens = tok.token_len[ids].astype(np.int64)
-    assert starts.tolist() == (np.cumsum(lens) - lens).tolist()
+    for caches in (box, box[:2], box[:1]):  # four chunks on four, two or one thread(s)
+        status, ids, starts = tok.native._core.encode_chunks(text, cuts, caches, True)
+        assert status == 0 and ids.tolist() == tok.engine.encode(text).tolist()
+        lens = tok.token_len[ids].astype(np.int64)
+        assert starts.tolist() == (np.cumsum(lens) - lens).tolist()
     for b in box:
         tok.native._give(b)
 

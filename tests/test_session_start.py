@@ -158,8 +158,10 @@ def test_staged_start_api_misuse():
         staged.write(ids, np.empty(n_cp, np.uint32), STRIDE)
     with pytest.raises(ValueError, match="ascending"):
         nat.start_chunks(text, [5, 5])
-    with pytest.raises(ValueError, match="one piece cache per chunk"):
-        nat._core.start_chunks(text, [5], [nat._take()], tok.token_len)
+    with pytest.raises(ValueError, match="one piece cache per thread"):
+        nat._core.start_chunks(text, [5], [nat._take() for _ in range(3)], tok.token_len)
+    with pytest.raises(ValueError, match="one piece cache per thread"):
+        nat._core.start_chunks(text, [5], [], tok.token_len)
     from toktier.native._engine import StagedStart
 
     with pytest.raises(TypeError, match="start_chunks"):  # made by hand: refused, not a crash

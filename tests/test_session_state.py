@@ -120,7 +120,8 @@ class _HostGpu:
 def test_session_uses_the_full_path_it_is_given():
     tok = get_tokenizer("llama3")
     gpu = _HostGpu()
-    fp = FullPath(FullPathConfig(min_parallel_chars=4096, native_min_parallel_chars=4096), gpu=gpu)
+    fp = FullPath(FullPathConfig(min_parallel_chars=4096, native_min_parallel_chars=4096,
+                                native_window_parallel_chars=4096), gpu=gpu)
     s = toktier.Session(tok, large_text(30_000, seed=5), full_path=fp)
     assert gpu.calls == 1 and fp.stats().gpu == 1 and fp.stats().encodes == 1
     r = s.append(large_text(8_000, seed=6))  # a big append: its window goes to the full path too

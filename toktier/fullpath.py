@@ -52,8 +52,14 @@ class FullPathConfig:
     #: cores: 20K chars 7.5 -> 5.1 ms, 40K 19.6 -> 10.3 ms, 160K 77 -> 35 ms against one encode).
     chunk_chars: int = 0
     min_parallel_chars: int = 16_384
-    #: The native engine encodes ~70 MB/s a core: parallel chunks pay off only for larger texts.
-    native_min_parallel_chars: int = 262_144
+    #: Texts of at least this many characters are cut into chunks for the native engine's kept
+    #: helper threads.  With a piece cache per thread and compiled cuts (10 us, 0.2 ms in Python),
+    #: 64K-character texts encode 1.6-1.9x faster in two chunks than in one on 2 cores
+    #: (2026-12-04; it was 256K when each chunk took a thread and a cache of its own).
+    native_min_parallel_chars: int = 49_152
+    #: Native windows a session hands to this path rather than encoding them on its own thread
+    #: (`is_parallel`: a GPU may take them; without one the compiled lane chunks them itself).
+    native_window_parallel_chars: int = 262_144
 
 
 class GpuEncoder(Protocol):
@@ -123,13 +129,27 @@ def nfc_form_of(tok: FrozenTokenizer, text: str) -> str | None:
     return nat.normalized(text)
 
 
+#: Chunks per chunk thread of a native chunked encode, at most (they are claimed as threads come
+#: free, so one slow chunk, a dense-script stretch, does not hold up a whole thread's share), and
+#: the characters a chunk gets at least, as far as a whole number of chunks per thread allows.
+_NATIVE_CHUNKS_PER_THREAD = 2
+_NATIVE_MIN_CHUNK = 32_768
+
+
 def _native_cuts(tok: FrozenTokenizer, text: str, cfg: FullPathConfig) -> list[int]:
-    """Where the native engine's chunks of `text` are cut: one chunk per core above
-    `native_min_parallel_chars`, else none."""
-    if len(text) < cfg.native_min_parallel_chars:
+    """Where the native engine's chunks of `text` are cut (`NativeEngine.cuts`, compiled), from
+    `native_min_parallel_chars` on: the same number of chunks for every chunk thread (three chunks
+    on two threads leave one thread two thirds of the text), up to `_NATIVE_CHUNKS_PER_THREAD`
+    while chunks keep `_NATIVE_MIN_CHUNK` characters.  `cfg.chunk_chars`, when set, fixes the size."""
+    n = len(text)
+    if n < cfg.native_min_parallel_chars:
         return []
-    # (os.cpu_count reads /sys: 7 us, a fifth of a small text's whole encode)
-    return chunk_cuts(tok, text, cfg.chunk_chars or -(-len(text) // (os.cpu_count() or 1)))
+    nat = tok.native
+    if cfg.chunk_chars:
+        return nat.cuts(text, cfg.chunk_chars)
+    threads = nat.chunk_threads
+    per = max(1, min(_NATIVE_CHUNKS_PER_THREAD, n // (threads * _NATIVE_MIN_CHUNK)))
+    return nat.cuts(text, -(-n // (threads * per)))
 
 
 def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig,
@@ -138,8 +158,7 @@ def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig,
     the caller has it."""
     # tiktoken encodes ~7x faster than HF and chunking it gained 1.0-1.5x on 2 cores (less
     # than its cut search costs below 160K characters), so it is never chunked.  The native
-    # engine (~70 MB/s a core) is chunked above `native_min_parallel_chars`, one chunk per core
-    # (a cut search and a thread hand-off cost more than a smaller chunk saves).
+    # engine is chunked from `native_min_parallel_chars` on (`_native_cuts`).
     engine = tok.engine_label
     if engine == "native":
         nat = tok.native
@@ -222,7 +241,7 @@ class FullPath:
         """Whether a text of `n_chars` characters is worth this path's parallel machinery
         (a session sends such windows here instead of one encode on its own thread)."""
         if tok is not None and tok.engine_label == "native":
-            return n_chars >= self.config.native_min_parallel_chars
+            return n_chars >= self.config.native_window_parallel_chars
         return n_chars >= self.config.min_parallel_chars
 
     def stats(self) -> FullPathStats:

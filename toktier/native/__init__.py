@@ -57,6 +57,9 @@ class NativeEngine:
         self.nfc_rewrites = 0  # NFC-family texts the normalizer changes, encoded in their normalized form
         self._lane = None
         self.lane_threads = CORES  # threads the compiled lane may use for one big window
+        # threads a chunked encode runs on (the caller and the engine's kept helpers): it takes a
+        # piece cache per thread, not per chunk, so a text may be cut into more chunks than this
+        self.chunk_threads = core.chunk_threads
 
     @property
     def active(self) -> bool:
@@ -139,7 +142,7 @@ class NativeEngine:
         `check_nfc` False: `text` is its own `normalized` form (the caller made it so)."""
         if self.demoted is not None:
             return None
-        caches = [self._take() for _ in range(len(cuts) + 1)]
+        caches = [self._take() for _ in range(min(len(cuts) + 1, self.chunk_threads))]
         try:
             status, ids, _ = self._core.encode_chunks(text, cuts, caches, False, check_nfc)
         finally:
@@ -154,7 +157,7 @@ class NativeEngine:
         chunk needs the reference (an NFC-changeable character, a surrogate) or the engine is demoted."""
         if self.demoted is not None:
             return None
-        caches = [self._take() for _ in range(len(cuts) + 1)]
+        caches = [self._take() for _ in range(min(len(cuts) + 1, self.chunk_threads))]
         try:
             table = self._tok.table
             status, staged = self._core.start_chunks(text, cuts, caches, self._tok.token_len,
@@ -163,6 +166,11 @@ class NativeEngine:
             for cache in caches:
                 self._give(cache)
         return staged if status == 0 else None
+
+    def cuts(self, text: str, chunk_chars: int) -> list[int]:
+        """Standalone-stable character offsets cutting `text` about every `chunk_chars` characters
+        (`fullpath.chunk_cuts`, compiled: `RepairLane.text_cuts`)."""
+        return self.lane().text_cuts(text, chunk_chars)
 
     def lane(self):
         """The compiled first-window splice of edits and appends (``repair.hpp``), built once per engine."""

@@ -84,6 +84,8 @@ cdef extern from "engine.hpp" namespace "ttn":
                              vector[int64_t]& nbytes, const uint8_t* u8, const int64_t* at,
                              cbool check_nfc) except + nogil
         void literals[T](const T* s, int64_t n, vector[Literal]& lits) except + nogil
+        @staticmethod
+        size_t chunk_threads()
         void nfc_runs[T](const T* s, int64_t n, vector[int64_t]& out) except + nogil
         void utf8_offsets[T](const T* s, int64_t n, const int64_t* pos, int64_t k, int64_t* out) nogil
         void assemble_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
@@ -187,8 +189,9 @@ cdef object _i64(const int64_t* p, size_t n):
 
 
 cdef int _chunk_args(cuts, list caches, int64_t n, vector[int64_t]& cv, vector[PieceCache*]& cc) except -1:
-    """`cuts` (ascending, strictly inside a text of n characters) and one piece cache per chunk,
-    checked and copied for `Engine::encode_chunks`."""
+    """`cuts` (ascending, strictly inside a text of n characters) and the piece caches of the
+    threads that may encode its chunks (one at least, one per chunk at most; each thread uses one
+    for every chunk it takes), checked and copied for `Engine::encode_chunks`."""
     cdef int64_t prev = 0
     cdef PieceCacheBox box
     for c in cuts:
@@ -196,8 +199,8 @@ cdef int _chunk_args(cuts, list caches, int64_t n, vector[int64_t]& cv, vector[P
             raise ValueError("cuts must be ascending offsets strictly inside the text")
         cv.push_back(c)
         prev = c
-    if len(caches) != cv.size() + 1:
-        raise ValueError("one piece cache per chunk")
+    if not 1 <= len(caches) <= cv.size() + 1:
+        raise ValueError("one piece cache per thread: at least one, at most one per chunk")
     for box in caches:
         cc.push_back(box.c)
     return 0
@@ -405,9 +408,10 @@ cdef class CoreEngine:
 
     def encode_chunks(self, str text, cuts, list caches, bint want_starts=False, bint check_nfc=True):
         """`encode` of `text` cut at character offsets `cuts` (ascending, each a standalone-stable
-        boundary), one thread per chunk (this one encodes the first), each with its own cache
-        from `caches` (len(cuts) + 1 of them): (status, ids, byte starts or None).  `check_nfc`
-        False: the caller vouches that the family's normalizer leaves `text` as it is."""
+        boundary), on up to len(caches) threads at once (this one included; 1 to len(cuts) + 1
+        caches), each thread with its own cache for every chunk it takes: (status, ids, byte
+        starts or None).  `check_nfc` False: the caller vouches that the family's normalizer
+        leaves `text` as it is."""
         if PyUnicode_GET_LENGTH(text) > MAX_CHARS:
             return SURROGATE, None, None
         cdef int64_t n = PyUnicode_GET_LENGTH(text)
@@ -572,6 +576,11 @@ cdef class CoreEngine:
         return _i64(out.data(), out.size())
 
     @property
+    def chunk_threads(self):
+        """The most threads a chunked encode runs on (the cores: the caller and the kept helpers)."""
+        return Engine.chunk_threads()
+
+    @property
     def block_scanner(self):
         """(on, reason it is off or ""): whether the block scanner (`Engine::pretok_block`) serves."""
         return bool(self.e.block_cl), self.e.block_reason.decode()
@@ -686,6 +695,7 @@ cdef extern from "repair.hpp" namespace "ttn":
                  const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, const vector[PieceCache*]& more,
                  LaneResult& res) except + nogil
         cbool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) nogil
+        void text_cuts[T](const T* s, int64_t n, int64_t chunk, vector[int64_t]& cuts) except + nogil
         void build_fast_len()
 
 
@@ -750,6 +760,23 @@ cdef class RepairLane:
             self.lane.lit_bytes.add(&bs[0], len(bs), 1)
         self.lane.t.max_literal = longest
         self.lane.build_fast_len()
+
+    def text_cuts(self, str text, int64_t chunk):
+        """Standalone-stable character offsets cutting `text` about every `chunk` characters for
+        `CoreEngine.encode_chunks` (`Lane::text_cuts`: `fullpath.chunk_cuts` compiled); [] when
+        the lane was built without the class table."""
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        cdef vector[int64_t] cuts
+        with nogil:
+            if kind == 1:
+                self.lane.text_cuts[uint8_t](<const uint8_t*>data, n, chunk, cuts)
+            elif kind == 2:
+                self.lane.text_cuts[uint16_t](<const uint16_t*>data, n, chunk, cuts)
+            else:
+                self.lane.text_cuts[uint32_t](<const uint32_t*>data, n, chunk, cuts)
+        return [cuts[i] for i in range(cuts.size())]
 
     def edit(self, text, int64_t s, int64_t e, bytes data, ids, checkpoints, int64_t stride, int64_t wl,
              int64_t wr, PieceCacheBox cache):

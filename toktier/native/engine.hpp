@@ -1762,10 +1762,12 @@ class Engine {
     return OK;
   }
 
-  // Chunks s[0, c0), s[c0, c1), ... of one text (cuts at standalone-stable boundaries, chosen in
-  // Python: `fullpath.chunk_cuts`), encoded on this thread and the kept helpers (`run_chunks`),
-  // each with its own piece cache.  outs[i] holds chunk i's tokens, starts relative to the chunk
-  // (when `want_starts`); bytes[i] its UTF-8 length.  Returns the first non-OK status of a chunk, or OK.
+  // Chunks s[0, c0), s[c0, c1), ... of one text (cuts at standalone-stable boundaries:
+  // `RepairLane::text_cuts`, or Python's `fullpath.chunk_cuts`), encoded on this thread and the
+  // kept helpers (`run_chunks`), at most caches.size() threads at once, each with its own piece
+  // cache (caches[slot]) for every chunk it takes.  outs[i] holds chunk i's tokens, starts
+  // relative to the chunk (when `want_starts`); bytes[i] its UTF-8 length.  Returns the first
+  // non-OK status of a chunk, or OK.
   template <class T>
   int encode_chunks(const T* s, int64_t n, bool ascii, const std::vector<int64_t>& cuts,
                     const std::vector<PieceCache*>& caches, bool want_starts, std::vector<Output>& outs,
@@ -1780,13 +1782,13 @@ class Engine {
     bytes.assign(k, 0);
     std::vector<int> status(k, OK);
     std::vector<char> failed(k, 0);
-    auto work = [&](size_t i) {
+    auto work = [&](size_t i, size_t slot) {
       const int64_t a = i ? cuts[i - 1] : 0, b = i + 1 < k ? cuts[i] : n;
       const T* c = s + a;
       const bool chunk_ascii = ascii || all_ascii(c, b - a);
       outs[i].want_starts = want_starts;
       try {
-        status[i] = encode(c, b - a, chunk_ascii, check_nfc, *caches[i], outs[i], u8, at ? at + a : nullptr);
+        status[i] = encode(c, b - a, chunk_ascii, check_nfc, *caches[slot], outs[i], u8, at ? at + a : nullptr);
       } catch (...) {  // std::bad_alloc: reported, never thrown across the thread
         failed[i] = 1;
         return;
@@ -1799,7 +1801,7 @@ class Engine {
       }
       bytes[i] = nb;
     };
-    run_chunks(k, work);
+    run_chunks(k, work, caches.size());
     for (size_t i = 0; i < k; ++i)
       if (failed[i]) throw std::bad_alloc();
     for (size_t i = 0; i < k; ++i)
@@ -1807,15 +1809,15 @@ class Engine {
     return OK;
   }
 
-  // work(i) for i in [0, k), on this thread and the engine's kept helper threads
-  // (`Workers::run`).  `work` must not throw.
+  // work(i, slot) for i in [0, k), on this thread and the engine's kept helper threads, at most
+  // `slots` threads at once (`Workers::run`).  `work` must not throw.
   template <class F>
-  void run_chunks(size_t k, F& work) const {
-    if (k <= 1) {
-      if (k) work(0);
+  void run_chunks(size_t k, F& work, size_t slots) const {
+    if (k <= 1 || slots <= 1) {
+      for (size_t i = 0; i < k; ++i) work(i, 0);
       return;
     }
-    workers().run(k, work);
+    workers().run(k, work, slots);
   }
 
   // The helper threads of this engine's chunked encodes (one fewer than the cores), made on the
@@ -1824,8 +1826,8 @@ class Engine {
   Workers& workers() const {
     Workers* w = workers_.load(std::memory_order_acquire);
     if (w != nullptr && w->owned_here()) return *w;
-    const unsigned cores = std::thread::hardware_concurrency();
-    Workers* made = new Workers(cores > 1 ? cores - 1 : 1);
+    const size_t threads = chunk_threads();
+    Workers* made = new Workers(threads > 1 ? threads - 1 : 1);
     if (workers_.compare_exchange_strong(w, made, std::memory_order_acq_rel)) return *made;
     delete made;  // another thread installed one first (this one never started a thread)
     return *w;
@@ -1853,7 +1855,7 @@ class Engine {
     sums.len.assign(k, 0);
     sums.uncertain.assign(k, 0);
     sums.bad.assign(k, 0);
-    auto work = [&](size_t i) {
+    auto work = [&](size_t i, size_t) {
       const int64_t a = i ? cuts[i - 1] : 0, b = i + 1 < k ? cuts[i] : n;
       const std::vector<uint32_t>& v = outs[i].ids;
       if (!v.empty()) std::memcpy(ids + id_at[i], v.data(), v.size() * sizeof(uint32_t));
@@ -1892,7 +1894,13 @@ class Engine {
       sums.len[i] = total - byte_at[i];
       sums.uncertain[i] = flags != 0;
     };
-    run_chunks(k, work);
+    run_chunks(k, work, chunk_threads());
+  }
+
+  // The most threads a chunked call runs on: the cores (one helper fewer, and the caller).
+  static size_t chunk_threads() {
+    const unsigned cores = std::thread::hardware_concurrency();
+    return cores > 1 ? size_t(cores) : 1;
   }
 
   // The added-token literals `encode` splits off first, in order: the `normalized=False` ones

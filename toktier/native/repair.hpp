@@ -312,6 +312,49 @@ class Lane {
     }
   }
 
+  // Cuts of a whole text s[0, n) (a str's code points) about every `chunk` characters, for
+  // `Engine::encode_chunks`: Python's `fullpath.chunk_cuts` compiled, with its predicate
+  // (`Family.chunk_stable`: a stable pair whose left character is not whitespace) and its
+  // literal filter (no occurrence crosses the cut: `crossed` over the UTF-8 of the characters
+  // within `max_literal` of it), searched CUT_SEARCH characters from each target; no cut found
+  // there moves the target on by CUT_SEARCH.  In Python a cut cost 0.1-0.25 ms, too much to cut a
+  // session start into more chunks than threads.
+  template <class T>
+  void text_cuts(const T* s, int64_t n, int64_t chunk, std::vector<int64_t>& cuts) const {
+    if (chunk <= 0 || !t.classes) return;
+    std::vector<uint8_t> near;  // the UTF-8 around a candidate, for the literal check
+    const int64_t reach = t.max_literal;  // in characters: at least as many bytes
+    int64_t target = chunk;
+    while (target < n - 1) {
+      const int64_t lo = std::max<int64_t>(1, target), stop = std::min(n, lo + CUT_SEARCH);
+      int64_t found = -1;
+      for (int64_t q = lo; q < stop; ++q) {
+        const uint32_t x = uint32_t(s[q - 1]), y = uint32_t(s[q]);
+        if (x > 0x10FFFF || y > 0x10FFFF) continue;
+        const int64_t pi = int64_t((uint32_t(t.group[x]) << 4) | t.group[y]);
+        if (pi >= t.n_pairs || !t.pairs[pi] || (t.classes[x] & t.w_bit)) continue;
+        if (!lit_bytes.empty()) {
+          const int64_t a = std::max<int64_t>(0, q - reach), b = std::min(n, q + reach);
+          near.clear();
+          int64_t bq = 0;
+          for (int64_t i = a; i < b; ++i) {
+            if (i == q) bq = int64_t(near.size());
+            Engine::put_utf8(uint32_t(s[i]), near);
+          }
+          if (crossed(near.data(), int64_t(near.size()), bq)) continue;
+        }
+        found = q;
+        break;
+      }
+      if (found >= 0) {
+        cuts.push_back(found);
+        target = found + chunk;
+      } else {
+        target += CUT_SEARCH;
+      }
+    }
+  }
+
   // The fresh tokens' byte starts in the window, and the proof that they tile it: every id has
   // one fixed span whose canonical length is its byte length (no record flag, else
   // LANE_UNCERTAIN: the Python path proves those by walking the text), and the lengths sum to

@@ -7,11 +7,15 @@
 // chunks took 0.42 ms against 0.27 ms for the same two halves on a kept Python pool, and a
 // 16K-character append was slower on two threads than on one (2026-12-02, bench.append_ab).
 //
-// `Workers::run(k, work)` calls work(i) for every i in [0, k), the calling thread included: the
-// caller claims chunks like any helper, so a call finishes even when every helper is busy with
-// another call's chunks (several server threads may encode at once), and k may exceed the
-// helper count.  Helpers start on the first call and sleep on a condition variable between
-// calls (no spinning: on a 2-core machine a spinning helper takes the core from the event loop).
+// `Workers::run(k, work, slots)` calls work(i, slot) for every i in [0, k), the calling thread
+// included: the caller claims chunks like any helper, so a call finishes even when every helper
+// is busy with another call's chunks (several server threads may encode at once), and k may
+// exceed the helper count.  `slot` names the thread within the call: the caller is 0, and each
+// helper that joins takes the next one, at most `slots` threads in all, so a caller can lend
+// each thread one piece cache and cut a text into more chunks than threads (the chunks then
+// balance the threads' loads; with a cache per chunk, each extra chunk cost a cold cache).
+// Helpers start on the first call and sleep on a condition variable between calls (no
+// spinning: on a 2-core machine a spinning helper takes the core from the event loop).
 //
 // fork(): helper threads do not exist in a child, and the pool's mutex may have been held at
 // the fork.  A pool notices it is in another process (`owned_here`), runs every chunk on the
@@ -23,6 +27,8 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <algorithm>
+#include <cstdint>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -47,30 +53,34 @@ class Workers {
 
   bool owned_here() const { return getpid() == pid_; }
 
-  // work(i) for i in [0, k), on this thread and the helpers; returns when all are done.
-  // `work` must not throw.
+  // work(i, slot) for i in [0, k), on this thread (slot 0) and at most slots - 1 helpers (slots
+  // 1, 2, ...: one per helper that joins); returns when all are done.  `work` must not throw.
   template <class F>
-  void run(size_t k, F& work) {
+  void run(size_t k, F& work, size_t slots) {
     if (k == 0) return;
-    Job job{&call<F>, &work, k};
+    Job job{&call<F>, &work, k, std::max<size_t>(slots, 1)};
     size_t helpers = 0;
-    if (k > 1 && owned_here()) {
+    if (k > 1 && job.slots > 1 && owned_here()) {
       std::lock_guard<std::mutex> lk(mu_);
       start_locked();
       helpers = helpers_;  // read under the lock: `start_locked` may lower it
-      if (helpers > 0) jobs_.push_back(&job);
+      if (helpers > 0) {
+        job.seq = ++seq_;
+        jobs_.push_back(&job);
+      }
     }
     if (helpers == 0) {
-      for (size_t i = 0; i < k; ++i) work(i);
+      for (size_t i = 0; i < k; ++i) work(i, 0);
       return;
     }
-    if (k - 1 >= helpers) wake_.notify_all();
-    else for (size_t i = 1; i < k; ++i) wake_.notify_one();
+    const size_t wanted = std::min(k, job.slots) - 1;  // helpers this call can use
+    if (wanted >= helpers) wake_.notify_all();
+    else for (size_t i = 0; i < wanted; ++i) wake_.notify_one();
     std::unique_lock<std::mutex> lk(mu_);
     while (job.next < job.k) {
       const size_t i = claim_locked(job);
       lk.unlock();
-      job.fn(job.ctx, i);
+      job.fn(job.ctx, i, 0);
       lk.lock();
       ++job.done;
     }
@@ -80,15 +90,26 @@ class Workers {
 
  private:
   struct Job {
-    void (*fn)(void*, size_t);
+    void (*fn)(void*, size_t, size_t);
     void* ctx;
     size_t k;
-    size_t next = 0;  // the next chunk to claim (under mu_)
-    size_t done = 0;  // chunks finished (under mu_)
+    size_t slots;      // the most threads on it at once, the caller included
+    uint64_t seq = 0;  // unique per queued job (a Job's address is reused call after call)
+    size_t next = 0;   // the next chunk to claim (under mu_)
+    size_t done = 0;   // chunks finished (under mu_)
+    size_t joined = 1;  // slots taken (under mu_); the caller holds slot 0
   };
 
   template <class F>
-  static void call(void* ctx, size_t i) { (*static_cast<F*>(ctx))(i); }
+  static void call(void* ctx, size_t i, size_t slot) { (*static_cast<F*>(ctx))(i, slot); }
+
+  // The first queued job a helper may take a chunk of: the one it holds a slot in (`seq`), or one
+  // with a slot free.  nullptr: none.
+  Job* open_job_locked(uint64_t seq) const {
+    for (Job* j : jobs_)
+      if (j->seq == seq || j->joined < j->slots) return j;
+    return nullptr;
+  }
 
   // The job's next chunk; the job leaves the queue with its last one, so no thread finds it
   // there once every chunk is claimed (and none touches it after its `done` count is full).
@@ -116,13 +137,20 @@ class Workers {
 
   void loop() {
     std::unique_lock<std::mutex> lk(mu_);
+    uint64_t my_seq = 0;  // the job this helper last held a slot in, and that slot
+    size_t my_slot = 0;
     while (true) {
-      wake_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      Job* found = nullptr;
+      wake_.wait(lk, [&] { return stop_ || (found = open_job_locked(my_seq)) != nullptr; });
       if (stop_) return;
-      Job& job = *jobs_.front();
+      Job& job = *found;
+      if (job.seq != my_seq) {
+        my_seq = job.seq;
+        my_slot = job.joined++;
+      }
       const size_t i = claim_locked(job);
       lk.unlock();
-      job.fn(job.ctx, i);
+      job.fn(job.ctx, i, my_slot);
       lk.lock();
       if (++job.done == job.k) finished_.notify_all();
     }
@@ -134,6 +162,7 @@ class Workers {
   std::condition_variable wake_, finished_;
   std::deque<Job*> jobs_;
   std::vector<std::thread> threads_;
+  uint64_t seq_ = 0;  // the last job number given (under mu_)
   bool stop_ = false;
 };
 
