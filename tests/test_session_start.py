@@ -168,6 +168,58 @@ def test_staged_start_api_misuse():
         StagedStart().write(ids, np.empty(n_cp, np.uint32), STRIDE)
 
 
+def test_staged_start_sums_the_tables_it_is_given():
+    # `StagedStart.write` sums token lengths for the checkpoints and the tiling verdict; with the
+    # engine's own tables it reads their one-byte summary (`Engine::len8`), with any other tables
+    # those tables themselves.  Both must give those tables' sums: a changed length breaks the
+    # tiling, and an id marked uncertain is reported, whichever way the walk went.
+    tok = get_tokenizer("llama3")
+    nat = tok.native
+    text = large_text(20_000, seed=8, kind="code")
+    cuts = nat.cuts(text, 4_000)
+    ids = tok.encode(text)
+    n_cp = -(-len(ids) // STRIDE)
+    want = SparseOffsets(tok.token_len)
+    want.rebuild(ids)
+
+    def staged(token_len, uncertain):
+        caches = [nat._take() for _ in range(2)]
+        try:
+            status, st = nat._core.start_chunks(text, cuts, caches, token_len, uncertain)
+        finally:
+            for c in caches:
+                nat._give(c)
+        assert status == 0
+        out_ids, cps = np.empty(st.num_ids, np.uint32), np.empty(n_cp, np.uint32)
+        data = st.write(out_ids, cps, STRIDE)
+        assert np.array_equal(out_ids, ids) and bytes(data) == text.encode()
+        return st, cps
+
+    for lens in (tok.token_len, tok.token_len.copy()):  # the engine's own, and an equal writable copy
+        st, cps = staged(lens, None)
+        assert st.tiles and not st.uncertain and np.array_equal(cps, want.checkpoints())
+    used = int(ids[len(ids) // 2])
+    longer = tok.token_len.copy()
+    longer[used] += 1
+    st, _ = staged(longer, None)
+    assert not st.tiles  # its sums are those of the table it was given
+    marked = np.zeros(len(tok.token_len), np.uint8)
+    marked[used] = 1
+    st, cps = staged(tok.token_len, marked)
+    assert st.tiles and st.uncertain and np.array_equal(cps, want.checkpoints())
+    # A tokenizer whose own tables mark an id uncertain (o200k_harmony: 200018, two literals share
+    # it): the summary leaves that id to the full tables, so the start reports it.
+    harmony = get_tokenizer("o200k_harmony")
+    assert harmony.table.uncertain[200018]
+    for lit, flagged in (("<|endofprompt|>", True), ("<|end|>", False)):
+        text = large_text(20_000, seed=9, kind="english") + lit + " tail"
+        hn = harmony.native
+        st = hn.start_chunks(text, hn.cuts(text, 4_000))
+        out_ids, cps = np.empty(st.num_ids, np.uint32), np.empty(-(-st.num_ids // STRIDE), np.uint32)
+        st.write(out_ids, cps, STRIDE)
+        assert np.array_equal(out_ids, harmony.encode(text)) and st.uncertain == flagged
+
+
 def test_what_the_staged_start_declines():
     qwen = get_tokenizer("qwen3")  # an NFC family's non-ASCII text: `_full` finds its spans
     text = "Cafe\u0301 and caf\u00e9 " * 400

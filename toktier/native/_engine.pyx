@@ -69,9 +69,12 @@ cdef extern from "engine.hpp" namespace "ttn":
         const uint32_t* token_len
         const uint8_t* uncertain_ids
         int64_t token_len_n
+        const uint8_t* len8
+        size_t n_len8
 
     cdef cppclass Engine:
         Tables t
+        vector[uint8_t] len8
         Trie lit1, lit2
         cbool nfc
         cbool block_cl
@@ -307,6 +310,8 @@ cdef class CoreEngine:
 
     cdef Engine* e
     cdef object _keep
+    cdef object _records  # (token_len as given, it and uncertain as built into the records)
+    cdef object _seen  # the last (token_len, uncertain) objects `_same_records` found equal
 
     def __cinit__(self):
         self.e = new Engine()
@@ -368,6 +373,7 @@ cdef class CoreEngine:
             if len(tl) != len(un) or len(tl) == 0:
                 raise ValueError("token_len and uncertain must be non-empty and of one length")
             self.e.build_records(&tl[0], &un[0], len(tl), len(arrays[7]) - 1)
+            self._records = (token_len, np.asarray(tl), np.asarray(un))  # (`_same_records`)
         cdef uint32_t[::1] cps
         for second, lits in ((False, literals_first), (True, literals_second)):
             for content, lid in lits:
@@ -443,6 +449,24 @@ cdef class CoreEngine:
             base += nbytes[i]
         return 0, ids, starts
 
+    cdef bint _same_records(self, token_len, uncertain):
+        """Whether `token_len` and `uncertain` (None: no id is) are the tables the per-token records
+        were built from (then `Engine::len8` summarizes them).  The same objects come on every
+        session start: compared once, then by identity."""
+        if self._records is None:
+            return False
+        if self._seen is not None and self._seen[0] is token_len and self._seen[1] is uncertain:
+            return True
+        given, tl, un = self._records
+        lens = np.asarray(token_len)
+        same = lens.shape == tl.shape and bool(np.array_equal(lens, tl))
+        if same:
+            same = not un.any() if uncertain is None else bool(np.array_equal(np.asarray(uncertain) != 0, un != 0))
+        read_only = not lens.flags.writeable and (uncertain is None or not np.asarray(uncertain).flags.writeable)
+        if same and read_only:  # (a writable table may change under an identity check)
+            self._seen = (token_len, uncertain)
+        return same
+
     def start_chunks(self, str text, cuts, list caches, token_len, uncertain=None, bint check_nfc=True):
         """A session start's first pass: `encode_chunks` of `text` at `cuts` (may be empty: one
         chunk, on this thread).  `token_len` (uint32 per id) and `uncertain` (uint8 per id, or None
@@ -469,6 +493,9 @@ cdef class CoreEngine:
             un = flags
             st.un = flags
             st.sums.uncertain_ids = &un[0]
+        if self._same_records(token_len, uncertain):  # then the walk reads one byte per token
+            st.sums.len8 = self.e.len8.data()
+            st.sums.n_len8 = self.e.len8.size()
         st.text = text
         st.engine = self
         st.n = n

@@ -471,6 +471,11 @@ struct ChunkSums {
   const uint32_t* token_len = nullptr;
   const uint8_t* uncertain_ids = nullptr;
   int64_t token_len_n = 0;
+  // Optional (`Engine::len8` of the same tables): per id, its length when token_len would give
+  // 1-255 and uncertain_ids 0, else 0 (then those two are read).  A start's walk reads one byte
+  // per token from 128 KB instead of 4 + 1 from 640 KB that the encode pushed out of L2.
+  const uint8_t* len8 = nullptr;
+  size_t n_len8 = 0;
 };
 
 class Engine {
@@ -678,7 +683,13 @@ class Engine {
       if (canon != n || n > 0xFFFF) r.flags |= REC_LEN_DIFFERS;
       std::memcpy(r.b, t.tok_blob + o, std::min<uint32_t>(n, REC_INLINE));
     }
+    len8.assign(size_t(std::max<int64_t>(n_ids, 0)), 0);
+    for (int64_t id = 0; id < n_ids; ++id)
+      if (!uncertain[id] && token_len[id] >= 1 && token_len[id] <= 255) len8[size_t(id)] = uint8_t(token_len[id]);
   }
+  // One byte per id (`build_records`' tables): token_len[id] where that is 1-255 and the id is
+  // not uncertain, else 0 (`ChunkSums::len8`).
+  std::vector<uint8_t> len8;
   size_t n_records() const { return recs.size(); }
   inline uint32_t blen(uint32_t id) const {
     if (recs.empty() || (recs[id].flags & REC_LEN_DIFFERS)) return t.tok_off[id + 1] - t.tok_off[id];
@@ -1881,13 +1892,19 @@ class Engine {
       int64_t next = stride > 0 ? (g + stride - 1) / stride * stride : std::numeric_limits<int64_t>::max();
       uint8_t flags = 0;
       const uint8_t* un = sums.uncertain_ids;
+      const uint8_t* const l8 = sums.len8;
+      const size_t n8 = l8 ? sums.n_len8 : 0;
       for (size_t t = 0; t < v.size(); ++t, ++g) {
         const uint32_t id = v[t];
-        if (int64_t(id) >= sums.token_len_n) { sums.bad[i] = 1; return; }
         if (g == next) {
           if (cp && total <= int64_t(0xFFFFFFFF)) cp[g / stride] = uint32_t(total);
           next += stride;
         }
+        if (id < n8 && l8[id]) {  // its length, and not uncertain
+          total += l8[id];
+          continue;
+        }
+        if (int64_t(id) >= sums.token_len_n) { sums.bad[i] = 1; return; }
         total += sums.token_len[id];
         if (un) flags |= un[id];
       }
