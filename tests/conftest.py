@@ -32,6 +32,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long campaigns (run with --runslow)")
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WorkerTallies())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,6 +43,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# Under pytest-xdist (scripts/test.sh runs the suite on every core) each worker process counts its
+# own checks: it hands them over when it finishes, and the controller, which prints the summary,
+# adds them up.
+def pytest_sessionfinish(session):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # an xdist worker
+        out["toktier_tally"] = [[label, level, n] for (label, level), n in _TALLY.items()]
+
+
+class _WorkerTallies:
+    """Registered on an xdist controller only (the hook below is xdist's: unknown without it)."""
+
+    @staticmethod
+    def pytest_testnodedown(node, error):
+        for label, level, n in getattr(node, "workeroutput", {}).get("toktier_tally", []):
+            _TALLY[(label, level)] += n
 
 
 def pytest_terminal_summary(terminalreporter):
