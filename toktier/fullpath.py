@@ -169,7 +169,7 @@ def _encode_cpu(tok: FrozenTokenizer, text: str, cfg: FullPathConfig,
             form = nfc_form_of(tok, text)
         if form is not None:
             cuts = _native_cuts(tok, form, cfg)
-            # one compiled call: a thread per chunk, this one included, no Python per chunk
+            # one compiled call: the chunks on this thread and the kept helpers, no Python per chunk
             ids = nat.encode_chunks(form, cuts, check_nfc=False)
             if ids is not None:
                 return ids, bool(cuts)

@@ -137,8 +137,9 @@ class NativeEngine:
 
     def encode_chunks(self, text: str, cuts: list[int], check_nfc: bool = True) -> np.ndarray | None:
         """Exactly ``tok.encode(text)`` for `text` cut at `cuts` (standalone-stable character offsets,
-        `fullpath.chunk_cuts`), one thread per chunk in compiled code; None when a chunk needs the
-        reference (an NFC-changeable character, a surrogate): the caller encodes chunk by chunk then.
+        `fullpath.chunk_cuts`), on this thread and the kept helpers, a piece cache per thread, in
+        compiled code; None when a chunk needs the reference (an NFC-changeable character, a
+        surrogate): the caller encodes chunk by chunk then.
         `check_nfc` False: `text` is its own `normalized` form (the caller made it so)."""
         if self.demoted is not None:
             return None
@@ -152,7 +153,7 @@ class NativeEngine:
 
     def start_chunks(self, text: str, cuts: list[int], check_nfc: bool = True):
         """A session start's first pass (`_engine.CoreEngine.start_chunks`): `text` encoded at `cuts`
-        (standalone-stable, possibly none), a thread per chunk; the `StagedStart` whose `write`
+        (standalone-stable, possibly none), a piece cache per thread; the `StagedStart` whose `write`
         lays the ids, the UTF-8 and the checkpoints out in the session's own buffers, or None when a
         chunk needs the reference (an NFC-changeable character, a surrogate) or the engine is demoted."""
         if self.demoted is not None:

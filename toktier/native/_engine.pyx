@@ -240,7 +240,8 @@ cdef extern from "Python.h":
 cdef class StagedStart:
     """A session start encoded chunk by chunk (`CoreEngine.start_chunks`), not yet laid out:
     `write` puts the ids, the text's UTF-8 and the checkpoints where the session keeps them, one
-    thread per chunk.  Holds the text (its code points are read again) and the length tables."""
+    chunk at a time on this thread and the kept helpers.  Holds the text (its code points are read
+    again) and the length tables."""
 
     cdef vector[Output] outs
     cdef vector[int64_t] nbytes

@@ -1848,7 +1848,7 @@ class Engine {
   // there; `bytes` its UTF-8 lengths): chunk i's ids copied to ids + (its first token's index),
   // its UTF-8 written to u8 + (its first byte), and the checkpoints of its tokens (cp[j]: the
   // byte start of token j * stride) written from the chunk's byte start by summing `token_len`,
-  // one thread per chunk; `sums` gets each chunk's length sum and uncertain flag.  The
+  // a chunk at a time on the kept threads; `sums` gets each chunk's length sum and uncertain flag.  The
   // checkpoints are the canonical prefix sums (`_engine.token_checkpoints` of the concatenated
   // ids) exactly when every chunk tiles (sums.len[i] == bytes[i]); the caller checks that.
   // Done on the calling thread, these copies were ~4 ms of a 4M-character start (the UTF-8
