@@ -54,8 +54,9 @@ class FullPathConfig:
     min_parallel_chars: int = 16_384
     #: Texts of at least this many characters are cut into chunks for the native engine's kept
     #: helper threads.  With a piece cache per thread and compiled cuts (10 us, 0.2 ms in Python),
-    #: 64K-character texts encode 1.6-1.9x faster in two chunks than in one on 2 cores
-    #: (2026-12-04; it was 256K when each chunk took a thread and a cache of its own).
+    #: 64K-character texts encode 1.5-1.9x faster in two chunks than in one on 2 cores back to back
+    #: (2026-12-04; it was 256K when each chunk took a thread and a cache of its own).  After 200 ms
+    #: of idle time two chunks lose 11-13% below ~200K on a 2-vCPU VM (bench/RESULTS.md, 2026-12-04).
     native_min_parallel_chars: int = 49_152
     #: Native windows a session hands to this path rather than encoding them on its own thread
     #: (`is_parallel`: a GPU may take them; without one the compiled lane chunks them itself).
