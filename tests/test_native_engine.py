@@ -768,6 +768,23 @@ def test_compiled_cuts_equal_the_python_search(name):
             assert np.array_equal(ids, tok.engine.encode(text))
 
 
+def test_compiled_cuts_of_odd_inputs():
+    # No cut for a chunk size of zero or less, an empty or a too short text; a lone surrogate
+    # (which the encode refuses with the reference's typed error) gets cuts, never an exception
+    # (Python's search raised UnicodeEncodeError on one near a target).
+    from toktier.fullpath import FullPathConfig, _encode_cpu
+
+    tok = get_tokenizer("llama3")
+    text = "hello world, " * 400
+    assert tok.native.cuts(text, 0) == [] and tok.native.cuts(text, -5) == []
+    assert tok.native.cuts("", 10) == [] and tok.native.cuts("ab", 10) == [] and tok.native.cuts("a", 1) == []
+    bad = text[:2000] + "\udc80" + text[2000:]
+    cuts = tok.native.cuts(bad, 1000)
+    assert cuts and all(0 < q < len(bad) for q in cuts)
+    with pytest.raises(toktier.ReferenceEngineError):
+        _encode_cpu(tok, bad, FullPathConfig(chunk_chars=1000, native_min_parallel_chars=1))
+
+
 @SETTINGS
 @given(adv, st.integers(1, 40))
 def test_compiled_cuts_equal_the_python_search_on_adversarial_text(text, chunk):
