@@ -55,7 +55,8 @@ def pytest_sessionfinish(session):
 
 
 class _WorkerTallies:
-    """Registered on an xdist controller only (the hook below is xdist's: unknown without it)."""
+    """Registered only where xdist is installed (the hook is xdist's: pytest refuses it without);
+    only a controller calls it."""
 
     @staticmethod
     def pytest_testnodedown(node, error):
