@@ -439,26 +439,28 @@ def test_bpe_of_long_pieces_agrees(name):
 
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)
 def test_a_piece_whose_hot_entry_was_just_taken_is_encoded_again(name, tally):
-    # The hot front (engine.hpp, `PieceCache::hot`) is read for a whole batch of pieces before any
-    # of them is encoded; a miss earlier in the batch can then overwrite the entry a later piece
-    # found.  " B A", with A's answer in the entry B's goes to, is exactly that case: A must not
-    # take B's ids.  Single-token words, so a wrong answer is a different id.
+    # The hot front (engine.hpp, `PieceCache::hot`: sets of two ways) is read for a whole batch of
+    # pieces before any of them is encoded; a miss earlier in the batch can then move or evict the
+    # entry a later piece found.  Three words whose answers go to one set, in every order, do
+    # that: each must keep its own ids.  Single-token words, so a wrong answer is a different id.
     tok = get_tokenizer(name)
-    words: dict[int, bytes] = {}
-    pair = None
+    sets: dict[int, list[bytes]] = {}
+    trio = None
     for i, b in enumerate(tok.engine.token_bytes):
         if not (3 <= len(b) <= 12 and b[:1] == b" " and b[1:].isalpha() and b[1:].islower() and b.isascii()):
             continue
-        e = _core.PieceCacheBox.hot_entry(b)
-        if e in words and words[e] != b:
-            pair = (words[e].decode(), b.decode())
+        same = sets.setdefault(_core.PieceCacheBox.hot_entry(b), [])
+        if b not in same:
+            same.append(b)
+        if len(same) == 3:
+            trio = [w.decode() for w in same]
             break
-        words[e] = b
-    assert pair, "no two single-token words share a hot entry"
-    a, b = pair
-    assert tok.engine.encode(a).tolist() != tok.engine.encode(b).tolist()
+    assert trio, "no three single-token words share a hot set"
+    a, b, c = trio
+    assert len({tuple(tok.engine.encode(w).tolist()) for w in trio}) == 3
     filler = "1."  # one-byte pieces, which never use the hot front
-    text = a + "".join(b + a + filler * k for k in range(0, 600, 7))
+    orders = [a + b + c, b + a + c, c + a + b, a + c + b, b + c + a, c + b + a, a + b + a + b]
+    text = a + "".join(orders[k % len(orders)] + filler * k for k in range(0, 700, 7))
     check_ids(tok, text, tally)
     cache = _core.PieceCacheBox()  # one cache across calls, as a session's encodes share theirs
     for _ in range(2):

@@ -46,6 +46,21 @@ enum Rules : int { CL100K_HF = 0, CL100K_TT = 1, QWEN = 2, O200K = 3, DEEPSEEK =
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
+
+// A software prefetch of p's cache line that the compiler keeps.  GCC 12 at -O3 deleted the
+// `__builtin_prefetch` calls that were the only statements under a branch (`prefetch_vocab`'s,
+// under `t.whole_piece_lookup`): until 2026-12-04 the short-vocab and vocab prefetches were not
+// in the binary at all (objdump: one prefetch instruction in `encode_pieces`, the piece
+// cache's).  A volatile asm statement is never deleted.
+static inline void prefetch_line(const void* p) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  asm volatile("prfm pldl1keep, [%0]" : : "r"(p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
 constexpr uint64_t GOLDEN = 0x9E3779B97F4A7C15ull;
 constexpr uint64_t EMPTY64 = ~0ull;
 constexpr uint32_t EMPTY32 = ~0u;
@@ -353,31 +368,53 @@ struct PieceCache {
   uint64_t hits = 0, misses = 0;
 
   // The hot front (`Engine::encode_pieces`): what a piece of 2-16 bytes encoded to, when that
-  // is 1-3 ids, direct-mapped and overwritten on a collision.  Real text repeats a few thousand
-  // pieces most of the time; their answers then come from 512 KB that stay in L2, where the
-  // short vocab (8 MiB) and the slots above (4 MiB) are L3 reads that a prefetch a batch ahead
-  // did not hide (a `perf` profile put ~37% of `encode_pieces` on those two loads).  The key is
+  // is 1-3 ids.  Real text repeats a few thousand pieces most of the time; their answers then
+  // come from here, where the short vocab (8 MiB) and the slots above (4 MiB) are reads past L2
+  // (on the Xeon VMs here a random read in 8 MiB takes ~150 ns, in 2 MiB ~18 ns).  The key is
   // the piece's bytes themselves (two zero-padded words and the length), so an entry is exact
   // or absent; the answer is a pure function of the bytes, as the slots' are.
+  // Two ways per set, one set per cache line, the newest answer in way 0 and the one it
+  // displaced in way 1: against the 16K direct-mapped entries of before, 2.5-5x fewer pieces
+  // of a warm encode miss (per 1M characters: code 2,500 instead of 6,400, English 630 instead
+  // of 3,000).
   struct alignas(32) Hot { uint64_t lo, hi; uint32_t ids[3]; uint8_t len, nids, pad[2]; };
   static_assert(sizeof(Hot) == 32, "two hot entries per cache line");
   static constexpr uint32_t HOT_MAX_BYTES = 16, HOT_MAX_IDS = 3;
-  static constexpr int HOT_BITS = 14;  // 16K entries, 512 KB
-  HugeArray<Hot> hot = HugeArray<Hot>(size_t(1) << HOT_BITS);  // zero-filled: len 0 is empty
-  static inline size_t hot_home(uint64_t h) { return size_t(h >> (64 - HOT_BITS)); }
+  bool hot_steady = false;  // the last batch missed nothing (`Engine::encode_pieces`' choice of loop)
+  static constexpr int HOT_SET_BITS = 15;  // 32K sets, 64K entries, 2 MiB (16: 4% faster on code, 4 MiB)
+  HugeArray<Hot> hot = HugeArray<Hot>(size_t(2) << HOT_SET_BITS);  // zero-filled: len 0 is empty
+  static inline size_t hot_set(uint64_t h) { return size_t(h >> (64 - HOT_SET_BITS)); }
+  // piece (lo, hi, n)'s answer, ids w[0, k) (k <= HOT_MAX_IDS), into set `set`
+  inline void hot_put(size_t set, uint64_t lo, uint64_t hi, uint32_t n, const uint32_t* w, uint32_t k) {
+    Hot* const e = &hot[2 * set];
+    if (e[0].len == n && ((e[0].lo ^ lo) | (e[0].hi ^ hi)) == 0) return;  // already the newest
+    e[1] = e[0];
+    e[0].lo = lo;
+    e[0].hi = hi;
+    e[0].ids[0] = w[0];
+    e[0].ids[1] = k > 1 ? w[1] : 0;
+    e[0].ids[2] = k > 2 ? w[2] : 0;
+    e[0].len = uint8_t(n);
+    e[0].nids = uint8_t(k);
+  }
 
   // An encode's per-batch scratch (piece hashes, ids), kept with the cache lent to that call: a
   // fresh vector per call was a malloc and a zero-filling resize into cold memory per window.
   U64Scratch batch_hashes;
   U32Scratch batch_ids;
 
-  PieceCache() : slots(CAP) { clear(); }
+  PieceCache() : slots(CAP) {
+    clear();
+    // the hot front's pages are faulted in here, as `clear` does the slots', not by the first
+    // encode lent this cache (a fresh 2 MiB mapping costs ~0.2 ms of faults)
+    std::memset(static_cast<void*>(hot.begin()), 0, hot.size() * sizeof(Hot));
+  }
   void clear() {
     for (Slot& sl : slots) sl.used = 0;
     n_used = 0;
   }
   static inline size_t home(uint64_t h) { return size_t((h * GOLDEN) >> 48) & (CAP - 1); }
-  inline void prefetch(uint64_t h) const { __builtin_prefetch(&slots[home(h)]); }
+  inline void prefetch(uint64_t h) const { prefetch_line(&slots[home(h)]); }
   const Slot* find(uint64_t h, const uint8_t* p, uint32_t n) const {
     if (n > MAX_BYTES) return nullptr;
     size_t i = home(h);
@@ -799,21 +836,21 @@ class Engine {
     return quick_mix(lo, hi, n);
   }
 
-  // The hot front entry a piece's answer goes to, or -1 when it never goes there (tests build
-  // pieces that share an entry with this).
+  // The hot front set a piece's answer goes to, or -1 when it never goes there (tests build
+  // pieces that share a set with this).
   static int64_t hot_entry(const uint8_t* p, uint32_t n) {
     if (n < 2 || n > PieceCache::HOT_MAX_BYTES) return -1;
-    return int64_t(PieceCache::hot_home(piece_hash(p, n)));
+    return int64_t(PieceCache::hot_set(piece_hash(p, n)));
   }
 
   inline void prefetch_vocab(uint64_t h, uint32_t n) const {
     if (n <= SHORT_MAX && !short_vocab.empty()) {
-      __builtin_prefetch(&short_vocab[(h * GOLDEN) >> (64 - short_bits)]);
+      prefetch_line(&short_vocab[(h * GOLDEN) >> (64 - short_bits)]);
       return;
     }
     uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);  // n > QUICK_MAX here: h is FNV-1a
-    __builtin_prefetch(t.vocab_keys + i);
-    __builtin_prefetch(t.vocab_ids + i);
+    prefetch_line(t.vocab_keys + i);
+    prefetch_line(t.vocab_ids + i);
   }
 
   // BPE of one piece's bytes (hash `h` = piece_hash) into w (room for n ids): the id count.
@@ -869,39 +906,99 @@ class Engine {
   void encode_pieces(const uint8_t* buf, const PieceBatch& pcs,
                      U64Scratch& hs, U32Scratch& scratch, PieceCache& cache,
                      std::vector<uint32_t>& out, std::vector<uint32_t>* first_tok) const {
-    // First pass: every piece's hash, and its hot entry when that holds it (an L2 read, so the
-    // loads of many pieces overlap); only the pieces the hot front misses prefetch their lines
-    // in the big tables.
+    // Which pieces the hot front holds, two ways, chosen per batch by what the last batch of
+    // this cache saw:
+    // - it missed nothing (a table, a listing, text seen before): one pass, each piece's hash
+    //   and its hot entry read and compared, a branch on the answer that is then always right;
+    // - else three passes: every piece's hash, its hot line asked for; then the answers, with no
+    //   branch on them (a mispredicted branch per miss stopped the loads of later pieces from
+    //   overlapping: ~26% of `encode_pieces` in a `perf` profile of code); then only the pieces
+    //   the hot front lacks prefetch their lines in the big tables, from a list.
+    // Either way alone lost 5-30% on some content (RESULTS, 2026-12-04).
     hs.resize(pcs.size());
     int32_t at[PieceBatch::CAP];  // the hot entry that held piece i in this pass, or -1
     uint64_t los[PieceBatch::CAP], his[PieceBatch::CAP];  // its bytes as `quick_words` (n <= 16)
+    uint16_t multi[PieceBatch::CAP], missed[PieceBatch::CAP];
     PieceCache::Hot* const hot = cache.hot.begin();
-    size_t room = 0;
-    for (size_t i = 0; i < pcs.size(); ++i) {
-      const uint8_t* p = buf + pcs[i].first;
-      const uint32_t n = pcs[i].second;
-      room += n;
-      at[i] = -1;
-      if (n <= QUICK_MAX) {
-        uint64_t lo, hi;
-        quick_words(p, n, lo, hi);
-        los[i] = lo;
-        his[i] = hi;
-        hs[i] = quick_mix(lo, hi, n);
-        if (n == 1) continue;
-        const size_t k = PieceCache::hot_home(hs[i]);
-        const PieceCache::Hot& e = hot[k];
-        if (e.len == n && ((e.lo ^ lo) | (e.hi ^ hi)) == 0) { at[i] = int32_t(k); continue; }
-      } else {
-        hs[i] = fnv(p, n);
+    size_t room = 0, n_cold = 0;
+    if (cache.hot_steady) {
+      for (size_t i = 0; i < pcs.size(); ++i) {
+        const uint8_t* p = buf + pcs[i].first;
+        const uint32_t n = pcs[i].second;
+        room += n;
+        at[i] = -1;
+        if (n <= QUICK_MAX) {
+          uint64_t lo, hi;
+          quick_words(p, n, lo, hi);
+          los[i] = lo;
+          his[i] = hi;
+          hs[i] = quick_mix(lo, hi, n);
+          if (n == 1) continue;
+          const size_t k = 2 * PieceCache::hot_set(hs[i]);
+          const PieceCache::Hot& e0 = hot[k];
+          if (e0.len == n && ((e0.lo ^ lo) | (e0.hi ^ hi)) == 0) { at[i] = int32_t(k); continue; }
+          const PieceCache::Hot& e1 = hot[k + 1];
+          if (e1.len == n && ((e1.lo ^ lo) | (e1.hi ^ hi)) == 0) { at[i] = int32_t(k + 1); continue; }
+        } else {
+          los[i] = his[i] = 0;
+          hs[i] = fnv(p, n);
+        }
+        ++n_cold;
+        if (PREFETCH) {
+          if (t.whole_piece_lookup) prefetch_vocab(hs[i], n);
+          cache.prefetch(hs[i]);
+        }
+      }
+    } else {
+      size_t n_multi = 0;
+      for (size_t i = 0; i < pcs.size(); ++i) {
+        const uint8_t* p = buf + pcs[i].first;
+        const uint32_t n = pcs[i].second;
+        room += n;
+        at[i] = -1;
+        // pieces of one byte (~40% of a table's or a listing's) take no part in the next pass
+        multi[n_multi] = uint16_t(i);
+        n_multi += size_t(n != 1);
+        if (n <= QUICK_MAX) {
+          uint64_t lo, hi;
+          quick_words(p, n, lo, hi);
+          los[i] = lo;
+          his[i] = hi;
+          hs[i] = quick_mix(lo, hi, n);
+        } else {
+          los[i] = his[i] = 0;
+          hs[i] = fnv(p, n);
+        }
+        prefetch_line(&hot[2 * PieceCache::hot_set(hs[i])]);
+      }
+      size_t n_missed = 0;
+      for (size_t j = 0; j < n_multi; ++j) {
+        const size_t i = multi[j];
+        const uint32_t n = pcs[i].second;
+        const size_t k = 2 * PieceCache::hot_set(hs[i]);
+        const PieceCache::Hot& e0 = hot[k];
+        const PieceCache::Hot& e1 = hot[k + 1];
+        // a hot entry's len is 2-16, so a piece of more than 16 bytes never matches
+        const bool hit0 = (e0.len == n) & (((e0.lo ^ los[i]) | (e0.hi ^ his[i])) == 0);
+        const bool hit1 = (e1.len == n) & (((e1.lo ^ los[i]) | (e1.hi ^ his[i])) == 0);
+        const uint32_t miss = uint32_t(!(hit0 | hit1));
+        // arithmetic, not a select: the compiler made `hit ? .. : -1` a branch on which way held it
+        at[i] = int32_t(uint32_t(k + !hit0) | (0u - miss));
+        missed[n_missed] = uint16_t(i);
+        n_missed += miss;
       }
       if (PREFETCH) {
-        // a piece the hot front lacks is often not one vocab token either (an unseen
-        // identifier): its piece cache line is read next, so both lines are asked for
-        if (t.whole_piece_lookup) prefetch_vocab(hs[i], n);
-        cache.prefetch(hs[i]);
+        for (size_t m = 0; m < n_missed; ++m) {
+          // a piece the hot front lacks is often not one vocab token either (an unseen
+          // identifier): its piece cache line is read next, so both lines are asked for
+          const size_t i = missed[m];
+          if (t.whole_piece_lookup) prefetch_vocab(hs[i], pcs[i].second);
+          cache.prefetch(hs[i]);
+        }
       }
+      n_cold = n_missed;
     }
+    cache.hot_steady = n_cold == 0;
     // Ids are written through a pointer (at most one per byte) into `scratch`, then appended: a
     // push_back per token was an out-of-line call, and growing `out` by `room` first zero-filled
     // four bytes per text byte (a memset ~6% of an encode) for ~4 bytes per token kept.  (+3: a
@@ -959,14 +1056,7 @@ class Engine {
       else w += bpe_hashed(p, n, hs[i], cache, w, looked_up);
       const uint32_t k = uint32_t(w - wp);
       if (n <= PieceCache::HOT_MAX_BYTES && k <= PieceCache::HOT_MAX_IDS) {
-        PieceCache::Hot& e = hot[PieceCache::hot_home(hs[i])];
-        e.lo = los[i];
-        e.hi = his[i];
-        e.ids[0] = wp[0];
-        e.ids[1] = k > 1 ? wp[1] : 0;
-        e.ids[2] = k > 2 ? wp[2] : 0;
-        e.len = uint8_t(n);
-        e.nids = uint8_t(k);
+        cache.hot_put(PieceCache::hot_set(hs[i]), los[i], his[i], n, wp, k);
       }
     }
     out.insert(out.end(), w0, w);
@@ -1624,7 +1714,7 @@ class Engine {
   template <class T>
   __attribute__((noinline))
   int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out,
-             const uint8_t* u8 = nullptr, const int64_t* at = nullptr) const {
+             const uint8_t* u8 = nullptr, const int64_t* at = nullptr, int64_t* utf8_len = nullptr) const {
     if (sizeof(T) > 1 && !ascii && has_surrogate(s, n)) return SURROGATE;  // no UTF-8: the references raise
     if (check_nfc && nfc && !ascii) {
       for (int64_t i = 0; i < n; ++i)
@@ -1770,6 +1860,9 @@ class Engine {
       pos = l.b;
     }
     if (pos < n) segment(pos, n);
+    // the segments counted their bytes as they converted them: reading the whole text again
+    // afterwards (`utf8_length`) was ~6% of a 1M-character chunk of a 2-byte str
+    if (utf8_len) *utf8_len = bytes_to(n);
     return OK;
   }
 
@@ -1798,17 +1891,12 @@ class Engine {
       const T* c = s + a;
       const bool chunk_ascii = ascii || all_ascii(c, b - a);
       outs[i].want_starts = want_starts;
+      int64_t nb = b - a;
       try {
-        status[i] = encode(c, b - a, chunk_ascii, check_nfc, *caches[slot], outs[i], u8, at ? at + a : nullptr);
+        status[i] = encode(c, b - a, chunk_ascii, check_nfc, *caches[slot], outs[i], u8, at ? at + a : nullptr, &nb);
       } catch (...) {  // std::bad_alloc: reported, never thrown across the thread
         failed[i] = 1;
         return;
-      }
-      int64_t nb = b - a;
-      if (at) {
-        nb = at[b] - at[a];
-      } else if (!chunk_ascii) {
-        nb = utf8_length(c, b - a);
       }
       bytes[i] = nb;
     };
