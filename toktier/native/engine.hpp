@@ -914,7 +914,7 @@ class Engine {
     //   branch on them (a mispredicted branch per miss stopped the loads of later pieces from
     //   overlapping: ~26% of `encode_pieces` in a `perf` profile of code); then only the pieces
     //   the hot front lacks prefetch their lines in the big tables, from a list.
-    // Either way alone lost 5-30% on some content (RESULTS, 2026-12-04).
+    // Either way alone lost 14-30% on some content (RESULTS, 2026-12-04).
     hs.resize(pcs.size());
     int32_t at[PieceBatch::CAP];  // the hot entry that held piece i in this pass, or -1
     uint64_t los[PieceBatch::CAP], his[PieceBatch::CAP];  // its bytes as `quick_words` (n <= 16)
