@@ -31,8 +31,8 @@ except ImportError as exc:  # a source tree nobody built (`pip install -e .` bui
 
 
 CORES = os.cpu_count() or 1
-#: Idle piece caches an engine keeps (each ~5 MiB: slots, hot front, long pieces); more concurrent
-#: calls make more, then drop them.
+#: Idle piece caches an engine keeps (each ~7.5 MiB: slots 4, hot front 2, the long-piece table 1.5
+#: and its arenas); more concurrent calls make more, then drop them.
 MAX_IDLE_CACHES = 2 * CORES
 #: Inserted bytes per extra thread of the compiled lane (it cuts windows of 24 KB and more into
 #: chunks of at least 12 KB; repair.hpp PARALLEL_MIN_BYTES / CHUNK_MIN_BYTES)

@@ -133,7 +133,7 @@ cdef class PieceCacheBox:
 
     @staticmethod
     def hot_entry(bytes piece):
-        """The hot front entry (`PieceCache::hot`) that `piece`'s ids go to, or -1 (tests)."""
+        """The hot front set (`PieceCache::hot`, two entries) that `piece`'s ids go to, or -1 (tests)."""
         return Engine.hot_entry(<const uint8_t*>piece, <uint32_t>len(piece))
 
 
