@@ -830,10 +830,8 @@ class Engine {
 #endif
   }
   static inline uint64_t piece_hash(const uint8_t* p, uint32_t n) {
-    if (n > QUICK_MAX) return fnv(p, n);
     uint64_t lo, hi;
-    quick_words(p, n, lo, hi);
-    return quick_mix(lo, hi, n);
+    return piece_key(p, n, lo, hi);
   }
 
   // A piece's hash (`piece_hash`) and, when it has 16 bytes or fewer, its bytes as `quick_words`
