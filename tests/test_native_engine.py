@@ -1167,6 +1167,51 @@ def test_big_lane_windows_in_chunks_are_exact(name, threads, monkeypatch, tally)
     assert np.array_equal(r.ids, tok.engine.encode(text))
 
 
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_lane_windows_of_every_width_are_exact(name, threads, monkeypatch, tally):
+    # The lane hands the engine a window's characters at their narrowest width: the bytes of an
+    # ASCII window, two bytes a character when all are in the BMP, four when one is not (found
+    # first, or only after a long BMP stretch, when the two-byte decode starts again wider).  Its
+    # certified cuts read the characters around a byte position from the UTF-8 itself, so cuts
+    # next to 2-, 3- and 4-byte characters are here too; big windows are cut into chunks.
+    tok = get_tokenizer(name)
+    monkeypatch.setattr(tok.native, "lane_threads", threads)
+    english = large_text(30_000, seed=3, kind="english").replace("\u2019", "'")
+    ascii_text = english.encode("ascii", "ignore").decode()
+    wide = ["caf\u00e9 ", "\u4e2d\u6587 ", "\u2019s ", "\U0001F600 ", "\u0100\U0001d400"]
+    deltas = {
+        "ascii": ascii_text[:3_000],
+        "bmp": "".join(ascii_text[k:k + 40] + wide[k // 40 % 3] for k in range(0, 3_000, 40)),
+        "astral first": "\U0001F600 " + ascii_text[:2_000],
+        "astral late": "\u00e9" + ascii_text[:26_000] + " \U0001F600",
+        "big bmp": "".join(ascii_text[k:k + 500] + "\u4e2d\u2019 " for k in range(0, 30_000, 500)),
+        "big mixed": "".join(ascii_text[k:k + 300] + wide[k // 300 % len(wide)] for k in range(0, 30_000, 300)),
+        "wide only": "".join(wide) * 50,
+    }
+    lits = [lit.content for lit in tok.engine.literals if lit.content][:4]
+    if lits:  # chunk cuts are checked against literal occurrences by byte position
+        deltas["big literals"] = "".join(f"\u4e2d\u6587{lits[k % len(lits)]}\u00e9x" for k in range(2_500))
+    text = _stable(tok, large_text(20_000, kind="code"))
+    s = toktier.Session(tok, text)
+    for kind, delta in deltas.items():
+        delta = _stable(tok, delta)
+        lane = s.stats.lane
+        r = s.append(delta)
+        text += delta
+        assert np.array_equal(r.ids, tok.engine.encode(text)), f"{name}: {kind} append"
+        if not tok.family_info.nfc or kind == "ascii":
+            assert s.stats.lane == lane + 1, f"{name}: the lane did not serve the {kind} append"
+        tally(tok, "session", 1)
+    # edits whose windows start and end beside multi-byte characters
+    for i, a in enumerate(range(len(text) - 20_000, len(text) - 200, 977)):
+        new = _stable(tok, wide[i % len(wide)] + "x" + wide[(i + 1) % len(wide)])
+        r = s.edit(a, a + 3, new)
+        text = text[:a] + new + text[a + 3:]
+        assert np.array_equal(r.ids, tok.engine.encode(text)), f"{name}: edit at {a}"
+        tally(tok, "session", 1)
+
+
 # -- the block scanner (`Engine::pretok_block`) -----------------------------------------------
 # It decides up to 128 ASCII characters' piece starts at once from class bitmasks, and only where
 # the probed table gives ASCII the classes its rules assume.  Its edges are where it could go

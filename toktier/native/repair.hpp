@@ -64,8 +64,19 @@ struct LaneResult {
   std::vector<uint32_t> mid;  // fresh tokens from the cut to the end
 };
 
-using CpBuf = U32Scratch;  // code points of a window
-using AtBuf = std::vector<int64_t, NoInit<int64_t>>;    // their byte offsets (one more: the end)
+using U16Scratch = std::vector<uint16_t, NoInit<uint16_t>>;
+
+// A window's characters for the engine, as narrow as they fit: none for an ASCII window (the
+// engine reads its bytes in place: character i is byte i), two bytes each when every character
+// is in the BMP (most non-ASCII windows), four otherwise.  The engine narrows each piece back to
+// UTF-8 itself, as it does for a Python str of that width.  (A four-byte character and an eight-
+// byte offset per character, 12 bytes in all, were written here before: for a 16K window 192 KB
+// of stores, cold whenever anything else ran since the last call.)
+struct WindowChars {
+  int width = 1;  // 1 (ASCII: use the bytes), 2 (c16) or 4 (c32)
+  U16Scratch c16;
+  U32Scratch c32;
+};
 
 // Whether b[0, n) is all ASCII (then it needs no decoding: character i is byte i).
 static inline bool all_ascii(const uint8_t* b, int64_t n) {
@@ -80,23 +91,20 @@ static inline bool all_ascii(const uint8_t* b, int64_t n) {
   return (acc & 0x8080808080808080ull) == 0;
 }
 
-// Decode b[0, n) into cps and at (at[cps.size()] = n); false for invalid UTF-8.  Runs of 8
-// ASCII bytes are copied without the per-character decode (most windows are mostly ASCII).
-static inline bool decode_utf8(const uint8_t* b, int64_t n, CpBuf& cps, AtBuf& at) {
-  cps.resize(size_t(n));
-  at.resize(size_t(n) + 1);
-  uint32_t* cp = cps.data();
-  int64_t* ap = at.data();
+// Decode b[0, n) into out (code points, each stored as a T); 1 for invalid UTF-8, 2 for a code
+// point that does not fit a T (the caller decodes again, wider), 0 when done.  Runs of 8 ASCII
+// bytes are copied without the per-character decode (most windows are mostly ASCII).
+template <class T, class V>
+static inline int decode_utf8(const uint8_t* b, int64_t n, V& out) {
+  out.resize(size_t(n));
+  T* cp = out.data();
   int64_t i = 0, m = 0;
   while (i < n) {
     if (i + 8 <= n) {
       uint64_t x;
       std::memcpy(&x, b + i, 8);
       if ((x & 0x8080808080808080ull) == 0) {
-        for (int j = 0; j < 8; ++j) {
-          cp[m + j] = b[i + j];
-          ap[m + j] = i + j;
-        }
+        for (int j = 0; j < 8; ++j) cp[m + j] = T(b[i + j]);
         i += 8;
         m += 8;
         continue;
@@ -108,31 +116,65 @@ static inline bool decode_utf8(const uint8_t* b, int64_t n, CpBuf& cps, AtBuf& a
     else if ((c & 0xE0) == 0xC0) { c &= 0x1F; k = 2; }
     else if ((c & 0xF0) == 0xE0) { c &= 0x0F; k = 3; }
     else if ((c & 0xF8) == 0xF0) { c &= 0x07; k = 4; }
-    else return false;
-    if (i + k > n) return false;
+    else return 1;
+    if (i + k > n) return 1;
     for (int j = 1; j < k; ++j) {
-      if ((b[i + j] & 0xC0) != 0x80) return false;
+      if ((b[i + j] & 0xC0) != 0x80) return 1;
       c = (c << 6) | (b[i + j] & 0x3F);
     }
-    if (c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) return false;
-    cp[m] = c;
-    ap[m] = i;
+    // (overlong forms pass, as they always did here: a window is a str's UTF-8)
+    if (c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) return 1;
+    if (sizeof(T) < 4 && c > 0xFFFF) return 2;
+    cp[m] = T(c);
     ++m;
     i += k;
   }
-  cps.resize(size_t(m));
-  at.resize(size_t(m) + 1);
-  at[size_t(m)] = n;  // at[cps.size()]: the end
-  return true;
+  out.resize(size_t(m));
+  return 0;
 }
+
+// Decode the window b[0, n) into wc at its narrowest width; false for invalid UTF-8.
+static inline bool decode_window(const uint8_t* b, int64_t n, WindowChars& wc) {
+  wc.c16.clear();
+  wc.c32.clear();
+  if (all_ascii(b, n)) {
+    wc.width = 1;
+    return true;
+  }
+  wc.width = 2;
+  const int st = decode_utf8<uint16_t>(b, n, wc.c16);
+  if (st == 0) return true;
+  if (st == 1) return false;
+  wc.c16.clear();
+  wc.width = 4;
+  return decode_utf8<uint32_t>(b, n, wc.c32) == 0;
+}
+
+// The code point starting at byte i of valid UTF-8 b (`utf8_at`), and the one ending right before
+// byte i (`utf8_before`, i > 0).
+static inline uint32_t utf8_at(const uint8_t* b, int64_t i) {
+  const uint32_t c = b[i];
+  if (c < 0x80) return c;
+  if ((c & 0xE0) == 0xC0) return ((c & 0x1F) << 6) | (b[i + 1] & 0x3F);
+  if ((c & 0xF0) == 0xE0) return ((c & 0x0F) << 12) | (uint32_t(b[i + 1] & 0x3F) << 6) | (b[i + 2] & 0x3F);
+  return ((c & 0x07) << 18) | (uint32_t(b[i + 1] & 0x3F) << 12) | (uint32_t(b[i + 2] & 0x3F) << 6) |
+         (b[i + 3] & 0x3F);
+}
+static inline uint32_t utf8_before(const uint8_t* b, int64_t i) {
+  int64_t a = i - 1;
+  while (a > 0 && (b[a] & 0xC0) == 0x80) --a;
+  return utf8_at(b, a);
+}
+
+// UTF-8 length of code point c
+static inline int64_t utf8_len_of(uint32_t c) { return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4; }
 
 // One thread's scratch buffers for `Lane::edit` (windows, their decode, the engine's output):
 // kept between calls so big appends reuse memory already paged in.
 struct Scratch {
   std::vector<uint8_t> win, buf_new, buf_old;
   std::vector<int64_t> starts;  // the fresh tokens' byte starts in the window
-  CpBuf cps;
-  AtBuf at;
+  WindowChars chars;
   Output out;
   std::vector<Output> chunk_outs;  // a chunked window's per-chunk tokens (`encode_window`)
   std::vector<int64_t> chunk_bytes;
@@ -156,8 +198,8 @@ struct ScratchTrim {
     trim(s.win);
     trim(s.buf_new);
     trim(s.buf_old);
-    trim(s.cps);
-    trim(s.at);
+    trim(s.chars.c16);
+    trim(s.chars.c32);
     trim(s.starts);
     trim(s.out.ids);
     trim(s.out.starts);
@@ -261,24 +303,14 @@ class Lane {
   }
 
   // Whether new-text position q (a cached token start in the window) is a certified boundary.
-  // (`cps`/`at` are empty for an ASCII window: character i is byte i of `win`.)
-  bool certified(int64_t q, int64_t p, const std::vector<uint8_t>& win, const CpBuf& cps,
-                 const AtBuf& at, const std::vector<uint8_t>& buf_new,
+  // (`win` is valid UTF-8: `decode_window` accepted it.)
+  bool certified(int64_t q, int64_t p, const std::vector<uint8_t>& win, const std::vector<uint8_t>& buf_new,
                  const std::vector<uint8_t>& buf_old, int64_t lo, int64_t old_q) const {
     const int64_t wq = q - p;
-    uint32_t x, y;  // the characters before and after q
-    if (cps.empty()) {
-      if (wq <= 0 || wq >= int64_t(win.size())) return false;
-      x = win[size_t(wq - 1)];
-      y = win[size_t(wq)];
-    } else {
-      auto it = std::lower_bound(at.begin(), at.end(), wq);
-      if (it == at.end() || *it != wq || it == at.begin()) return false;  // a character start inside the window
-      const size_t ci = size_t(it - at.begin());
-      if (ci >= cps.size()) return false;  // the window's end (at[] ends with it)
-      x = cps[ci - 1];
-      y = cps[ci];
-    }
+    if (wq <= 0 || wq >= int64_t(win.size())) return false;  // strictly inside the window
+    const uint8_t* const b = win.data();
+    if ((b[wq] & 0xC0) == 0x80) return false;  // not a character start
+    const uint32_t x = utf8_before(b, wq), y = utf8_at(b, wq);  // the characters before and after q
     const int64_t pi = int64_t((uint32_t(t.group[x]) << 4) | t.group[y]);
     if (pi >= t.n_pairs || !t.pairs[pi]) return false;
     if (!lit_bytes.empty()) {
@@ -291,15 +323,23 @@ class Lane {
   // Cuts of the window (code point indices) into about `k` chunks that encode independently:
   // the full path's standalone-stable boundaries (`Family.chunk_stable`: a stable pair whose left
   // character is not whitespace) that no literal occurrence crosses, searched after each target.
-  void chunk_cuts(const CpBuf& cps, const AtBuf& at, const std::vector<uint8_t>& win,
-                  int64_t k, std::vector<int64_t>& cuts) const {
-    const bool ascii = cps.empty();  // then character i is byte i
-    const int64_t nb = int64_t(win.size()), n = ascii ? nb : int64_t(cps.size());
-    auto cp = [&](int64_t i) { return ascii ? uint32_t(win[size_t(i)]) : cps[size_t(i)]; };
+  // (`s`: the window's n characters, `win`'s bytes themselves when T is uint8_t.)
+  template <class T>
+  void chunk_cuts(const T* s, int64_t n, const std::vector<uint8_t>& win, int64_t k,
+                  std::vector<int64_t>& cuts) const {
+    const int64_t nb = int64_t(win.size());
+    int64_t ci = 0, bi = 0;  // character ci starts at byte bi (advanced as q moves on)
+    auto byte_of = [&](int64_t q) {
+      if (sizeof(T) == 1) return q;
+      if (q < ci) ci = bi = 0;
+      for (; ci < q; ++ci) bi += utf8_len_of(uint32_t(s[ci]));
+      return bi;
+    };
+    auto cp = [&](int64_t i) { return uint32_t(s[size_t(i)]); };
     for (int64_t c = 1; c < k; ++c) {
       int64_t q = std::max<int64_t>(n * c / k, cuts.empty() ? 1 : cuts.back() + 1);
       for (const int64_t stop = std::min(n, q + CUT_SEARCH); q < stop; ++q) {
-        const int64_t bq = ascii ? q : at[size_t(q)];
+        const int64_t bq = byte_of(q);
         // the literal check sees every occurrence that could cross q only this far inside
         if (bq < t.max_literal || bq > nb - t.max_literal) continue;
         const uint32_t x = cp(q - 1), y = cp(q);
@@ -369,6 +409,14 @@ class Lane {
     int64_t* const st = starts.data();
     const uint8_t* const fl = fast_len.data();
     const uint32_t n_fast = uint32_t(fast_len.size());
+    // Many tokens: the whole table is read in first, in order.  After other work has run, each
+    // token's byte is a cold miss of its own (~35% of a 16K window's lane time after a 32 MB
+    // sweep); read in order, the hardware prefetcher runs ahead and 128 KB arrive in a few us.
+    if (nf >= 1024) {
+      uint64_t acc = 0;
+      for (uint32_t i = 0; i < n_fast; i += 64) acc += fl[i];
+      asm volatile("" : : "r"(acc));
+    }
     int64_t w = 0;
     for (size_t x = 0; x < nf; ++x) {
       const uint32_t id = fresh[x];
@@ -387,26 +435,27 @@ class Lane {
   }
 
   // Encode the window: on this thread, or in chunks on several (`more`: extra piece caches).
-  int encode_window(const std::vector<uint8_t>& win, const CpBuf& cps,
-                    const AtBuf& at, bool ascii, PieceCache& cache,
+  int encode_window(const std::vector<uint8_t>& win, const WindowChars& wc, PieceCache& cache,
+                    const std::vector<PieceCache*>& more, Scratch& sc, Output& out) const {
+    if (wc.width == 1) return encode_window(win.data(), int64_t(win.size()), true, win, cache, more, sc, out);
+    if (wc.width == 2) return encode_window(wc.c16.data(), int64_t(wc.c16.size()), false, win, cache, more, sc, out);
+    return encode_window(wc.c32.data(), int64_t(wc.c32.size()), false, win, cache, more, sc, out);
+  }
+  template <class T>
+  int encode_window(const T* s, int64_t n, bool ascii, const std::vector<uint8_t>& win, PieceCache& cache,
                     const std::vector<PieceCache*>& more, Scratch& sc, Output& out) const {
     std::vector<int64_t> cuts;
     const int64_t nb = int64_t(win.size());
     if (!more.empty() && nb >= PARALLEL_MIN_BYTES && t.classes)
-      chunk_cuts(cps, at, win, std::min<int64_t>(int64_t(more.size()) + 1, nb / CHUNK_MIN_BYTES), cuts);
-    if (cuts.empty())
-      return ascii ? eng->encode<uint8_t>(win.data(), nb, true, true, cache, out)
-                   : eng->encode<uint32_t>(cps.data(), int64_t(cps.size()), false, true, cache, out, win.data(),
-                                           at.data());
+      chunk_cuts(s, n, win, std::min<int64_t>(int64_t(more.size()) + 1, nb / CHUNK_MIN_BYTES), cuts);
+    if (cuts.empty()) return eng->encode<T>(s, n, ascii, true, cache, out);
     std::vector<PieceCache*> caches{&cache};
     caches.insert(caches.end(), more.begin(), more.begin() + int64_t(cuts.size()));
     std::vector<Output>& outs = sc.chunk_outs;  // reused: their capacity spares page faults
     std::vector<int64_t>& nbytes = sc.chunk_bytes;
     // starts only where the caller wants them (the lane makes its own in `tile`)
     const bool ws = out.want_starts;
-    const int st = ascii ? eng->encode_chunks<uint8_t>(win.data(), nb, true, cuts, caches, ws, outs, nbytes)
-                         : eng->encode_chunks<uint32_t>(cps.data(), int64_t(cps.size()), false, cuts, caches, ws,
-                                                        outs, nbytes, win.data(), at.data());
+    const int st = eng->encode_chunks<T>(s, n, ascii, cuts, caches, ws, outs, nbytes);
     if (st != OK) return st;
     size_t total = out.ids.size();
     for (const Output& o : outs) total += o.ids.size();
@@ -462,17 +511,12 @@ class Lane {
     win.assign(T + p, T + s);
     win.insert(win.end(), data, data + n_data);
     win.insert(win.end(), T + e, T + r);
-    CpBuf& cps = sc.cps;  // empty for an ASCII window (character i is byte i)
-    AtBuf& at = sc.at;
-    cps.clear();
-    at.clear();
-    const bool ascii = all_ascii(win.data(), int64_t(win.size()));  // the engine reads it in place
-    if (!ascii && !decode_utf8(win.data(), int64_t(win.size()), cps, at)) return res.status = LANE_BAD_UTF8;
+    if (!decode_window(win.data(), int64_t(win.size()), sc.chars)) return res.status = LANE_BAD_UTF8;
     Output& out = sc.out;
     out.ids.clear();
     out.starts.clear();
     out.want_starts = false;  // the pass below makes them, one record read per token
-    if (encode_window(win, cps, at, ascii, cache, more, sc, out) != OK) return res.status = LANE_NFC;
+    if (encode_window(win, sc.chars, cache, more, sc, out) != OK) return res.status = LANE_NFC;
     const std::vector<uint32_t>& fresh = out.ids;
     const int64_t nf = int64_t(fresh.size());
     res.fresh = nf;
@@ -511,7 +555,7 @@ class Lane {
         for (int64_t m = last; m >= rn.c0 + 1; --m) {  // the latest certified start wins
           const int64_t q = cs[m];
           if (q <= p || q >= s) continue;
-          if (!certified(q, p, win, cps, at, buf_new, buf_old, lo, q)) continue;
+          if (!certified(q, p, win, buf_new, buf_old, lo, q)) continue;
           lk = k_lo + m;
           lj = rn.f0 + (m - rn.c0);
           lq = q;
@@ -544,7 +588,7 @@ class Lane {
         for (int64_t m = rn.c0 + 1; m <= last; ++m) {  // the earliest certified start wins
           const int64_t q = cs[m];
           if (q <= mid_end) continue;
-          if (!certified(q, p, win, cps, at, buf_new, buf_old, lo, q - delta)) continue;
+          if (!certified(q, p, win, buf_new, buf_old, lo, q - delta)) continue;
           rk = k_lo + m;
           rj = rn.f0 + (m - rn.c0);
           rq = q;
