@@ -465,10 +465,19 @@ class Session:
             # first window's certified splice, the text's growth.  With its code and data cold
             # (an op after the process slept), each Python step it saves costs microseconds.
             ids, starts = self._ids, self._starts
-            cp, n_cp = starts.raw()
+            # Room first: a lane that finds a buffer too small has encoded its window for nothing
+            # (the general path encodes it again).  An append adds fewer tokens than it has
+            # characters, nearly always, plus the window's re-encoded tokens; growth is 1.5x, so
+            # this allocates about as rarely as the commit itself would.
             # (only appends whose window stays on one thread: longer ones take the chunked lane below)
+            max_bytes = LANE_PARALLEL_MIN_BYTES - 2 * self.window
+            need = ids.n + len(text) + self.window
+            if need > len(ids.buffer) and len(text) < max_bytes:
+                ids.reserve(need)
+                starts.reserve_for(need)
+            cp, n_cp = starts.raw()
             done = nat.lane().append_commit(nat.pool, self._text, text, ids.buffer, ids.n, cp, n_cp, STRIDE,
-                                            self.window, LANE_PARALLEL_MIN_BYTES - 2 * self.window)
+                                            self.window, max_bytes)
             if done is not None:
                 stats = self.stats
                 if done[0] == 0:
@@ -647,6 +656,13 @@ class Session:
             # certificate (a big window in chunks, a thread per core); when it declines, the path
             # below runs from scratch.  (Changes a GPU could take go below: their window goes there.)
             # It also writes the splice into the buffers when they have room (no Python array work).
+            # Room first, so that the lane commits in place (a buffer too small makes the splice
+            # go through `_commit` below: Python array work, ~0.1-0.5 ms).  Half a token per byte
+            # covers nearly all text; an estimate short of it only costs that slower commit.
+            need = self._ids.n + len(data) // 2 + self.window
+            if need > len(self._ids.buffer):
+                self._ids.reserve(need)
+                self._starts.reserve_for(need)
             cp_buf, n_cp = self._starts.raw()
             status, k1, k2, q1, q2, nfresh, first_changed, new_n, new_cp, mid = tok.native.edit_commit(
                 T, s, e, data, self._ids.buffer, self._ids.n, cp_buf, n_cp, STRIDE, self.window)
