@@ -1388,3 +1388,28 @@ def test_short_pieces_of_many_ids_are_cached_and_exact(name):
     st, ids, _ = core.encode(text, cache, False, True)
     assert st == 0 and np.array_equal(ids, tok.engine.encode(text))
     assert cache.misses == misses
+
+
+def test_reserve_text_makes_room_by_half_and_keeps_the_text():
+    # A session's text is a bytearray grown in place by every op; CPython grows one by an eighth,
+    # so `reserve_text` grows it by half at least, leaving its bytes and length as they were.
+    import sys
+
+    text = bytearray(b"abc\xe4\xb8\xad" * 20_000)
+    before = bytes(text)
+    _core.reserve_text(text, len(text) + 1_000)
+    assert bytes(text) == before
+    room = sys.getsizeof(text) - sys.getsizeof(bytearray())
+    assert room >= len(text) * 3 // 2
+    text += b"x" * (len(text) // 3)  # fits: no regrowth
+    assert sys.getsizeof(text) - sys.getsizeof(bytearray()) == room
+    # past twice its size the text is left alone (a shrink back would give the room away)
+    small = bytearray(b"abcd" * 1000)
+    alloc = sys.getsizeof(small)
+    _core.reserve_text(small, 10 * len(small))
+    assert bytes(small) == b"abcd" * 1000 and sys.getsizeof(small) == alloc
+    # a text whose buffer is exported cannot move: the reference's BufferError, the text intact
+    with memoryview(text):
+        with pytest.raises(BufferError):
+            _core.reserve_text(text, room + 1_000)  # past its room, within twice its size
+    assert bytes(text) == before + b"x" * (len(before) // 3)

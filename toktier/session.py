@@ -77,6 +77,7 @@ from .families import I
 from .fullpath import FullPath, nfc_form_of
 from .nfc_spans import SpanMap, nfc_spans
 from .native import LANE_PARALLEL_MIN_BYTES
+from .native import _core as _native  # None in a tree nobody built
 from .offsets import STRIDE, SparseOffsets
 from .repair_window import WindowContext, case_table_of, char_at, digit_table_of, run_edge
 from .registry import FrozenTokenizer
@@ -940,6 +941,9 @@ class Session:
 
     def _finish_text(self, s: int, e: int, data: bytes, dchars: int) -> None:
         """The text side of a committed splice (the token arrays are already updated)."""
+        grow = len(data) - (e - s)
+        if grow > 0 and _native is not None:  # room by half, not CPython's eighth (`reserve_text`)
+            _native.reserve_text(self._text, len(self._text) + grow)
         if s == e == len(self._text):
             self._text += data
         else:
