@@ -37,12 +37,16 @@ cdef inline int _room_for(object text, Py_ssize_t size) except -1:
     # it to fresh memory (page faults included: 0.05 ms a time at 100K-500K here): a text growing
     # by 16K appends regrew on every second one at 100K.  Grown by half at least, with the size
     # set back at once (a shrink to no less than half the allocation keeps the allocation).
-    # (Past twice its size it grows once, exactly, as CPython does: the shrink would give it back.)
+    # (Past twice its size it grows once, exactly, as CPython does: the shrink would give it back.
+    # Without memory for the room, nothing changes: the exact growth may still fit.)
     cdef Py_ssize_t n = PyByteArray_GET_SIZE(text)
     if size + 1 <= (<PyByteArrayObject*><void*>text).ob_alloc or size <= n or size > 2 * n:
         return 0
-    PyByteArray_Resize(text, max(size, n + n // 2))
-    PyByteArray_Resize(text, n)
+    try:
+        PyByteArray_Resize(text, max(size, n + n // 2))
+    except MemoryError:
+        return 0
+    PyByteArray_Resize(text, n)  # a shrink: it keeps the allocation and cannot fail
     return 0
 
 
