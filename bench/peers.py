@@ -18,7 +18,12 @@ call, so the ratios are same-run ratios even on a noisy machine):
 
 Each (size, workload) starts fresh: every engine first sees the context untimed (our session is
 built, each stateless peer encodes it once so its caches hold it, the peer process seeds its
-session), then the appends.  The engines run in a seeded random order on every call, so the
+session), then the appends.  What is not fresh: TokTier's piece caches are pooled per tokenizer
+(as in a server, where sessions share them), and the plain appends of every cell come from one
+479K-character English pool (pydoc topics and the Python license), which the first cell's 25
+appends of 16K mostly cover.  So the first cell run appends text TokTier has not seen, and later
+cells largely text its caches hold (the peers keep no such cache): measured 2026-12-04, the
+first cell's plain-16K read 0.35-0.36 ms whichever size it was, later cells 0.21-0.36 ms.  The engines run in a seeded random order on every call, so the
 one timed right after another engine's call (whose worker threads may still be spinning, and
 which flushed the caches) is not always the same.  (Until 1 December 2026 the order rotated call
 by call.  A rotation keeps the cyclic order: TokTier always ran right after the peer process's
