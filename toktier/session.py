@@ -472,10 +472,8 @@ class Session:
             # this allocates about as rarely as the commit itself would.
             # (only appends whose window stays on one thread: longer ones take the chunked lane below)
             max_bytes = LANE_PARALLEL_MIN_BYTES - 2 * self.window
-            need = ids.n + len(text) + self.window
-            if need > len(ids.buffer) and len(text) < max_bytes:
-                ids.reserve(need)
-                starts.reserve_for(need)
+            if len(text) < max_bytes:
+                self._room_for_tokens(ids.n + len(text) + self.window)
             cp, n_cp = starts.raw()
             done = nat.lane().append_commit(nat.pool, self._text, text, ids.buffer, ids.n, cp, n_cp, STRIDE,
                                             self.window, max_bytes)
@@ -660,10 +658,7 @@ class Session:
             # Room first, so that the lane commits in place (a buffer too small makes the splice
             # go through `_commit` below: Python array work, ~0.1-0.5 ms).  Half a token per byte
             # covers nearly all text; an estimate short of it only costs that slower commit.
-            need = self._ids.n + len(data) // 2 + self.window
-            if need > len(self._ids.buffer):
-                self._ids.reserve(need)
-                self._starts.reserve_for(need)
+            self._room_for_tokens(self._ids.n + len(data) // 2 + self.window)
             cp_buf, n_cp = self._starts.raw()
             status, k1, k2, q1, q2, nfresh, first_changed, new_n, new_cp, mid = tok.native.edit_commit(
                 T, s, e, data, self._ids.buffer, self._ids.n, cp_buf, n_cp, STRIDE, self.window)
@@ -938,6 +933,12 @@ class Session:
         last = c0 + length - 1
         end = int(c_starts[last]) + int(self.tokenizer.token_len[c_ids[last]])
         return end - int(c_starts[c0]) > self.tokenizer.max_token_bytes
+
+    def _room_for_tokens(self, n_tokens: int) -> None:
+        """Capacity for `n_tokens` tokens in the id and checkpoint buffers (1.5x growth)."""
+        if n_tokens > len(self._ids.buffer):
+            self._ids.reserve(n_tokens)
+            self._starts.reserve_for(n_tokens)
 
     def _finish_text(self, s: int, e: int, data: bytes, dchars: int) -> None:
         """The text side of a committed splice (the token arrays are already updated)."""

@@ -104,8 +104,7 @@ cdef extern from "engine.hpp" namespace "ttn":
         int encode[T](const T* s, int64_t n, cbool ascii, cbool check_nfc, PieceCache& cache, Output& out) except + nogil
         int encode_chunks[T](const T* s, int64_t n, cbool ascii, const vector[int64_t]& cuts,
                              const vector[PieceCache*]& caches, cbool want_starts, vector[Output]& outs,
-                             vector[int64_t]& nbytes, const uint8_t* u8, const int64_t* at,
-                             cbool check_nfc) except + nogil
+                             vector[int64_t]& nbytes, cbool check_nfc) except + nogil
         void literals[T](const T* s, int64_t n, vector[Literal]& lits) except + nogil
         @staticmethod
         size_t chunk_threads()
@@ -241,13 +240,13 @@ cdef int _encode_chunks(Engine* e, str text, const vector[int64_t]& cv, const ve
     with nogil:
         if kind == 1:
             status = e.encode_chunks[uint8_t](<const uint8_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes,
-                                                   NULL, NULL, check_nfc)
+                                                   check_nfc)
         elif kind == 2:
             status = e.encode_chunks[uint16_t](<const uint16_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes,
-                                                   NULL, NULL, check_nfc)
+                                                   check_nfc)
         else:
             status = e.encode_chunks[uint32_t](<const uint32_t*>data, n, ascii, cv, cc, want_starts, outs, nbytes,
-                                                   NULL, NULL, check_nfc)
+                                                   check_nfc)
     return status
 
 

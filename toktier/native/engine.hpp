@@ -1713,17 +1713,15 @@ class Engine {
   }
 
   // -- whole texts -------------------------------------------------------------------------------
-  // Encode the code points s[0, n) (a str's PEP 393 data: T = uint8_t, uint16_t or uint32_t).
-  // `u8`/`at` (optional, with T = uint32_t): the text's UTF-8 and each character's byte offset in
-  // it (at[n] too; absolute offsets into u8, at[0] need not be 0): a caller that decoded UTF-8
-  // (the repair lane) passes both, and the segments are read in place instead of re-encoded.
+  // Encode the code points s[0, n) (a str's PEP 393 data: T = uint8_t, uint16_t or uint32_t; the
+  // repair lane's windows at the same widths).  `utf8_len`: receives the text's UTF-8 length.
   // Never inlined: one compiled copy per T serves every caller, so what `bench.engine_speed` times
   // through `CoreEngine.encode` is the code the session starts' chunk workers and the lane run too
   // (a caller's own loops still compile apart: see `utf8_length`).
   template <class T>
   __attribute__((noinline))
   int encode(const T* s, int64_t n, bool ascii, bool check_nfc, PieceCache& cache, Output& out,
-             const uint8_t* u8 = nullptr, const int64_t* at = nullptr, int64_t* utf8_len = nullptr) const {
+             int64_t* utf8_len = nullptr) const {
     if (sizeof(T) > 1 && !ascii && has_surrogate(s, n)) return SURROGATE;  // no UTF-8: the references raise
     if (check_nfc && nfc && !ascii) {
       for (int64_t i = 0; i < n; ++i)
@@ -1737,7 +1735,7 @@ class Engine {
     const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
     // A batch's pieces as UTF-8, for texts converted piece by piece: made on first use, since a
     // zero-filled 4 KB per call was ~60 cache lines written by every window the lane encodes
-    // (its segments are read in place).
+    // (an ASCII window's segments are read in place).
     std::unique_ptr<uint8_t[]> pbuf;
     size_t pcap = 0;
     auto grow_pbuf = [&](size_t need, size_t used) {  // room for `need` bytes, keeping the first `used`
@@ -1755,7 +1753,6 @@ class Engine {
     int64_t text_char = 0;
     auto bytes_to = [&](int64_t ci) {  // UTF-8 offset of character ci (ascending calls)
       if (ascii) return ci;
-      if (at) return at[ci] - at[0];
       for (; text_char < ci; ++text_char) {
         uint32_t c = uint32_t(s[text_char]);
         text_byte += c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4;
@@ -1844,12 +1841,10 @@ class Engine {
     };
     auto segment = [&](int64_t a, int64_t b) {
       const int64_t base = bytes_to(a);  // the segment's first byte in the text
-      if (direct || at) {  // the segment's UTF-8 is in memory already: pieces are read in place
-        const uint8_t* buf = direct ? reinterpret_cast<const uint8_t*>(s) + a : u8 + at[a];
+      if (direct) {  // the segment's UTF-8 is the str's own bytes: pieces are read in place
+        const uint8_t* buf = reinterpret_cast<const uint8_t*>(s) + a;
         auto piece = [&](int64_t pa, int64_t pb) {
-          uint32_t x = direct ? uint32_t(pa - a) : uint32_t(at[pa] - at[a]);
-          uint32_t y = direct ? uint32_t(pb - a) : uint32_t(at[pb] - at[a]);
-          batch.emplace_back(x, y - x);
+          batch.emplace_back(uint32_t(pa - a), uint32_t(pb - pa));
           if (batch.size() >= PieceBatch::CAP) flush(buf, base);
         };
         pretokenize(s, a, b, piece);
@@ -1885,8 +1880,7 @@ class Engine {
   template <class T>
   int encode_chunks(const T* s, int64_t n, bool ascii, const std::vector<int64_t>& cuts,
                     const std::vector<PieceCache*>& caches, bool want_starts, std::vector<Output>& outs,
-                    std::vector<int64_t>& bytes, const uint8_t* u8 = nullptr, const int64_t* at = nullptr,
-                    bool check_nfc = true) const {
+                    std::vector<int64_t>& bytes, bool check_nfc = true) const {
     const size_t k = cuts.size() + 1;
     outs.resize(k);  // kept capacity: a caller reusing `outs` spares the page faults
     for (Output& o : outs) {
@@ -1903,7 +1897,7 @@ class Engine {
       outs[i].want_starts = want_starts;
       int64_t nb = b - a;
       try {
-        status[i] = encode(c, b - a, chunk_ascii, check_nfc, *caches[slot], outs[i], u8, at ? at + a : nullptr, &nb);
+        status[i] = encode(c, b - a, chunk_ascii, check_nfc, *caches[slot], outs[i], &nb);
       } catch (...) {  // std::bad_alloc: reported, never thrown across the thread
         failed[i] = 1;
         return;

@@ -166,9 +166,6 @@ static inline uint32_t utf8_before(const uint8_t* b, int64_t i) {
   return utf8_at(b, a);
 }
 
-// UTF-8 length of code point c
-static inline int64_t utf8_len_of(uint32_t c) { return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4; }
-
 // One thread's scratch buffers for `Lane::edit` (windows, their decode, the engine's output):
 // kept between calls so big appends reuse memory already paged in.
 struct Scratch {
@@ -332,7 +329,8 @@ class Lane {
     auto byte_of = [&](int64_t q) {
       if (sizeof(T) == 1) return q;
       if (q < ci) ci = bi = 0;
-      for (; ci < q; ++ci) bi += utf8_len_of(uint32_t(s[ci]));
+      bi += Engine::utf8_length(s + ci, q - ci);
+      ci = q;
       return bi;
     };
     auto cp = [&](int64_t i) { return uint32_t(s[size_t(i)]); };
