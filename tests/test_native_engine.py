@@ -1220,12 +1220,15 @@ def test_lane_windows_of_every_width_are_exact(name, threads, monkeypatch, tally
 # such atoms, shifted against the view edges, checked against the per-character scanner and
 # against the references (HF's pre-tokenizer, the `regex` module, the reference encode).
 
-BLOCK_TOKENIZERS = ("llama3", "cl100k_base", "qwen3")
-BLOCK_RULES = ("cl100k_hf", "cl100k_tt", "qwen")
+BLOCK_TOKENIZERS = ("llama3", "cl100k_base", "qwen3", "o200k_base", "o200k_harmony")
+BLOCK_RULES = ("cl100k_hf", "cl100k_tt", "qwen", "o200k")
 BLOCK_ATOMS = ["a", "Z", "word", " word", "  x", "s", "t", "re", "ve", "LL", "d", "M", "'", "'s", "'T", "'re", "'VE",
                "'ll", "'d", "'m", "''", "x's", " 's", "!'s", " ", "  ", "   ", "\t", "\n", "\r\n", "\n\n", " \n ",
                "\n  ", "\t\n", "\x0b", "\x0c", "1", "12", "123", "1234", "0", "!", "!!", " !", "...", "(", "_",
-               "-", "/", "\x00", "\x1f", "\x7f", "\u00e9", "\u2019", "\u00a0", "\U0001f600"]
+               "-", "/", "\x00", "\x1f", "\x7f", "\u00e9", "\u2019", "\u00a0", "\U0001f600",
+               # o200k: words split before an uppercase letter after a lowercase one, contractions
+               # are suffixes, and punctuation takes [\r\n/]* after its run
+               "aB", "ABc", "Ab'S", "lL", "'lL", "!\n/", "/\n", "*/\n//", "\n/", ";\r\n/*", "/x"]
 block_adv = st.builds(lambda pad, parts: "x" * pad + "".join(parts), st.integers(0, 140),
                       st.lists(st.sampled_from(BLOCK_ATOMS), max_size=200))
 
@@ -1242,7 +1245,8 @@ def _edge_texts() -> list[str]:
     """Runs of each class (and mixes) of lengths around 64, 128 and the 4096-character chunk,
     shifted by 0-3 characters, ended by each kind of follower."""
     out = []
-    for run in ("a", "A", " ", "\n", "\r\n", " \n", "1", "!", "'s", "a'", "  a", "\t\n ", "x1", "'ll"):
+    for run in ("a", "A", " ", "\n", "\r\n", " \n", "1", "!", "'s", "a'", "  a", "\t\n ", "x1", "'ll", "aB", "!\n/",
+                "/\n"):
         for n in (1, 2, 3, 62, 63, 64, 65, 125, 126, 127, 128, 129, 130, 255, 256, 4094, 4095, 4096, 4097):
             for shift in ("", "b", " b", "1!\n"):
                 for tail in ("", "y", " y", "1", "\n", " ", "'s", "\u00e9"):
@@ -1255,7 +1259,7 @@ def test_block_scanner_serves_where_proven(name):
     on, reason = get_tokenizer(name).native.block_scanner
     if name in BLOCK_TOKENIZERS:
         assert on and reason == ""
-    else:  # o200k and DeepSeek rules are not covered: the per-character scanner, with the reason
+    else:  # DeepSeek's rules are not covered: the per-character scanner, with the reason
         assert not on and "not covered" in reason
 
 
@@ -1295,7 +1299,8 @@ def test_block_scanner_on_every_short_ascii_context(rules):
     import itertools
 
     eng = _regex_engine(rules)
-    alphabet = "aS'tl 1\n\r!\t"
+    # (o200k also tells apart an uppercase letter after a lowercase one, and the slash of a trailer)
+    alphabet = "aS'tl 1\n\r!\t" + ("L/" if rules == "o200k" else "")
     grams = ["".join(p) for k in range(1, 6) for p in itertools.product(alphabet, repeat=k)]
     for lo in range(0, len(grams), 3000):
         text = "".join(grams[lo:lo + 3000])

@@ -6,8 +6,8 @@
 //   2. each gap is pre-tokenized by a hand-written scanner per rule set that follows the
 //      family's regex alternative by alternative (leftmost-first, greedy, with the exact
 //      backtracking each alternative can do), reading only the probed class table; for the
-//      cl100k-like rule sets, ASCII stretches go 128 characters at a time through class
-//      bitmasks instead (`pretok_block`), where the table allows it;
+//      cl100k-like and o200k rule sets, ASCII stretches go 128 characters at a time through
+//      class bitmasks instead (`pretok_block`), where the table allows it;
 //   3. each piece is BPE-encoded: whole-piece vocab lookup where the reference does it,
 //      else the leftmost lowest-rank merge, one merge at a time (a heap for long pieces,
 //      ordered as HF's `Word::merge_all` orders it), through a per-thread piece cache.
@@ -1336,7 +1336,7 @@ class Engine {
     return -1;
   }
 
-  // -- block scanner: cl100k-like rules over ASCII, 128 characters at a time ------------------
+  // -- block scanner: cl100k-like and o200k rules over ASCII, 128 characters at a time -------
   // The per-character scanner takes a data-dependent branch per character class and per piece
   // (~20 ns a piece).  Here a stretch of ASCII is first turned into class bitmasks, and the piece
   // starts of up to 128 characters come out of a few dozen shifts, ands and adds: the per-
@@ -1345,24 +1345,31 @@ class Engine {
   // contraction folds.  Each view starts at a known piece start (the regexes have no lookbehind,
   // so the pieces after it are those of the text cut there), and only starts that nothing past
   // the view can change are emitted; the rest, non-ASCII characters and runs longer than a view
-  // go to `match_cl`, one piece at a time.  Used only where `build_block` finds the probed table
-  // gives the ASCII characters exactly the classes these rules assume.
+  // go to `match_cl` (`match_o200k`), one piece at a time.  Used only where `build_block` finds
+  // the probed table gives the ASCII characters exactly the classes these rules assume.  o200k
+  // (`view_starts_o200k`) also reads upper/lower case and the slash; DeepSeek's three split
+  // stages keep the per-character scanner.
 #if defined(__SSE2__) && defined(__SIZEOF_INT128__)
   using u128 = unsigned __int128;
   static constexpr bool BLOCK_BUILT = true;
 #else
   static constexpr bool BLOCK_BUILT = false;
 #endif
-  enum BlockBit : int { B_L = 0, B_N, B_W, B_R, B_SP, B_AP, B_HI, B_COUNT };
-  uint8_t bcode[129] = {};  // class bits of ASCII code points; [128]: any other character
+  // B_UP (an uppercase letter) and B_SL ('/') are read by the o200k rules only; the cl100k-like
+  // rules classify 7 bits (`B_CL`), o200k's 9.
+  enum BlockBit : int { B_L = 0, B_N, B_W, B_R, B_SP, B_AP, B_HI, B_UP, B_SL, B_COUNT };
+  static constexpr int B_CL = B_UP;
+  uint16_t bcode[129] = {};  // class bits of ASCII code points; [128]: any other character
   bool block_cl = false;  // the block scanner serves this tokenizer (`build_block`)
+  bool block_o200k = false;  // ... with the o200k rules (`view_starts_o200k`)
   const char* block_reason = "not built";
 
   void build_block() {
-    block_cl = false;
+    block_cl = block_o200k = false;
     if (!BLOCK_BUILT) { block_reason = "compiled without SSE2 and 128-bit integers"; return; }
-    if (t.rules != CL100K_HF && t.rules != CL100K_TT && t.rules != QWEN) {
-      block_reason = "rule set not covered (o200k and DeepSeek keep the per-character scanner)";
+    const bool o2 = t.rules == O200K;
+    if (t.rules != CL100K_HF && t.rules != CL100K_TT && t.rules != QWEN && !o2) {
+      block_reason = "rule set not covered (DeepSeek keeps the per-character scanner)";
       return;
     }
     for (uint32_t c = 0; c < 128; ++c) {
@@ -1370,15 +1377,26 @@ class Engine {
       const int classes = int(bool(k & L)) + int(bool(k & N)) + int(bool(k & W));
       if (classes > 1) { block_reason = "an ASCII character in more than one of L, N, W"; return; }
       if (((k >> FOLD_SHIFT) & 0xFF) && !(k & L)) { block_reason = "an ASCII contraction fold on a non-letter"; return; }
-      bcode[c] = uint8_t((k & L ? 1 << B_L : 0) | (k & N ? 1 << B_N : 0) | (k & W ? 1 << B_W : 0) |
-                         (is_r(c) ? 1 << B_R : 0) | (c == ' ' ? 1 << B_SP : 0) | (c == '\'' ? 1 << B_AP : 0));
+      // o200k's words are U* l+ | U+ l*: an ASCII letter must be exactly one of upper and lower,
+      // and nothing else either (a mark or an Lm/Lo letter, both, is never ASCII)
+      if (o2 && (bool(k & UP) + bool(k & LO) != (k & L ? 1 : 0) || (k & M))) {
+        block_reason = "an ASCII character not exactly one of upper, lower or neither (o200k)";
+        return;
+      }
+      // (B_UP where the rules do not read it: A-Z, what `simd_bits` gives, so the comparison holds)
+      const bool up = o2 ? bool(k & UP) : (c >= 'A' && c <= 'Z');
+      bcode[c] = uint16_t((k & L ? 1 << B_L : 0) | (k & N ? 1 << B_N : 0) | (k & W ? 1 << B_W : 0) |
+                          (is_r(c) ? 1 << B_R : 0) | (c == ' ' ? 1 << B_SP : 0) | (c == '\'' ? 1 << B_AP : 0) |
+                          (up ? 1 << B_UP : 0) | (c == '/' ? 1 << B_SL : 0));
     }
     if (!(t.cls['\r'] & W) || !(t.cls['\n'] & W) || !(t.cls[' '] & W) || (t.cls['\''] & (L | N | W))) {
       block_reason = "\\r, \\n or space not whitespace, or the apostrophe not punctuation";
       return;
     }
+    if (o2 && (t.cls['/'] & (L | N | W | M))) { block_reason = "the slash not punctuation (o200k)"; return; }
     bcode[128] = 1 << B_HI;
     block_cl = true;
+    block_o200k = o2;
     block_reason = "";
     simd_classify = BLOCK_BUILT && simd_codes_match();
   }
@@ -1393,10 +1411,10 @@ class Engine {
       alignas(16) uint8_t lane[16];
       for (uint32_t j = 0; j < 16; ++j) lane[j] = uint8_t(c0 + j);
       uint16_t got[B_COUNT];
-      simd_bits(_mm_load_si128(reinterpret_cast<const __m128i*>(lane)), got);
+      simd_bits<B_COUNT>(_mm_load_si128(reinterpret_cast<const __m128i*>(lane)), got);
       for (uint32_t j = 0; j < 16; ++j) {
-        uint8_t code = 0;
-        for (int b = 0; b < B_COUNT; ++b) code |= uint8_t(((got[b] >> j) & 1) << b);
+        uint16_t code = 0;
+        for (int b = 0; b < B_COUNT; ++b) code |= uint16_t(((got[b] >> j) & 1) << b);
         if (code != bcode[std::min<uint32_t>(c0 + j, 128)]) return false;
       }
     }
@@ -1410,9 +1428,11 @@ class Engine {
   // Class bitmasks of a chunk of the text: bit j of words[b] is class b of character base + j.
   static constexpr int64_t CHUNK = 4096;
   static constexpr int CHUNK_WORDS = int(CHUNK / 64) + 3;  // + the words a view reads past the end
-  struct ClassBits { uint64_t w[B_COUNT][CHUNK_WORDS]; };
+  template <int NB> struct ClassBits { uint64_t w[NB][CHUNK_WORDS]; };
 
-  // The class bits of 16 byte-sized characters (one bit per character in each got[b]).
+  // The class bits of 16 byte-sized characters (one bit per character in each got[b]), the
+  // first NB of them.
+  template <int NB>
   static inline void simd_bits(__m128i x, uint16_t* got) {
     const __m128i zero = _mm_setzero_si128();
     auto in_range = [&](__m128i v, char lo, char span) {  // lo <= v <= lo + span, unsigned
@@ -1431,6 +1451,8 @@ class Engine {
     got[B_SP] = uint16_t(_mm_movemask_epi8(space));
     got[B_AP] = uint16_t(_mm_movemask_epi8(eq('\'')));
     got[B_HI] = uint16_t(_mm_movemask_epi8(x));  // the top bit: 128 and up
+    if (NB > B_UP) got[B_UP] = uint16_t(_mm_movemask_epi8(in_range(x, 'A', 25)));
+    if (NB > B_SL) got[B_SL] = uint16_t(_mm_movemask_epi8(eq('/')));
   }
 
   // 16 characters from p as bytes, wider ones saturated to 255 (only where 16 remain)
@@ -1453,31 +1475,37 @@ class Engine {
     return _mm_packus_epi16(clamp(a), clamp(b));
   }
 
-  template <class T>
-  void classify(const T* s, int64_t from, int64_t len, ClassBits& cb) const {  // len <= CHUNK
+  // The first NB class bits (`B_CL` or `B_COUNT`) of s[from, from + len).
+  template <int NB, class T>
+  void classify(const T* s, int64_t from, int64_t len, ClassBits<NB>& cb) const {  // len <= CHUNK
     int64_t k = 0;
     if (simd_classify) {
       for (; k + 64 <= len; k += 64) {
-        uint64_t word[B_COUNT] = {};
+        uint64_t word[NB] = {};
         for (int q = 0; q < 4; ++q) {
           uint16_t got[B_COUNT];
-          simd_bits(narrow16(s + from + k + 16 * q), got);
-          for (int b = 0; b < B_COUNT; ++b) word[b] |= uint64_t(got[b]) << (16 * q);
+          simd_bits<NB>(narrow16(s + from + k + 16 * q), got);
+          for (int b = 0; b < NB; ++b) word[b] |= uint64_t(got[b]) << (16 * q);
         }
-        for (int b = 0; b < B_COUNT; ++b) cb.w[b][k / 64] = word[b];
+        for (int b = 0; b < NB; ++b) cb.w[b][k / 64] = word[b];
       }
     }
     for (; k < len; k += 64) {
-      alignas(16) uint8_t code[64];
+      // the codes' low and high bytes (bits 0-7, 8-15)
+      alignas(16) uint8_t code[2][64];
       const int64_t m = std::min<int64_t>(64, len - k);
-      for (int64_t j = 0; j < m; ++j) code[j] = bcode[std::min<uint32_t>(uint32_t(s[from + k + j]), 128)];
-      for (int64_t j = m; j < 64; ++j) code[j] = 0;
-      __m128i x[4];
-      for (int q = 0; q < 4; ++q) x[q] = _mm_load_si128(reinterpret_cast<const __m128i*>(code + 16 * q));
-      for (int b = 0; b < B_COUNT; ++b) {  // bit b of each byte to the byte's top bit, then movemask
+      for (int64_t j = 0; j < m; ++j) {
+        const uint16_t c = bcode[std::min<uint32_t>(uint32_t(s[from + k + j]), 128)];
+        code[0][j] = uint8_t(c);
+        code[1][j] = uint8_t(c >> 8);
+      }
+      for (int64_t j = m; j < 64; ++j) code[0][j] = code[1][j] = 0;
+      for (int b = 0; b < NB; ++b) {  // bit b of each byte to the byte's top bit, then movemask
         uint64_t word = 0;
-        for (int q = 0; q < 4; ++q)
-          word |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_slli_epi16(x[q], 7 - b)))) << (16 * q);
+        for (int q = 0; q < 4; ++q) {
+          const __m128i x = _mm_load_si128(reinterpret_cast<const __m128i*>(code[b >> 3] + 16 * q));
+          word |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_slli_epi16(x, 7 - (b & 7))))) << (16 * q);
+        }
         cb.w[b][k / 64] = word;
       }
     }
@@ -1485,7 +1513,7 @@ class Engine {
     // only, not the rest of the chunk (for a small window, ~40 stack lines written per call)
     const int64_t zend = std::min<int64_t>(CHUNK_WORDS, k / 64 + 3);
     for (int64_t z = k / 64; z < zend; ++z)
-      for (int b = 0; b < B_COUNT; ++b) cb.w[b][z] = 0;
+      for (int b = 0; b < NB; ++b) cb.w[b][z] = 0;
   }
 
   // Whether the 16 characters from i (fewer at b) are ASCII: without this, text with a non-ASCII
@@ -1523,6 +1551,11 @@ class Engine {
   // positions reachable from a seed going backwards through `run` (seeds inside run)
   static inline u128 fill_back(u128 seed, u128 run) {
     for (int k = 1; k < 128; k <<= 1) { seed |= (seed >> k) & run; run &= run >> k; }
+    return seed;
+  }
+  // positions reachable from a seed going forwards through `run` (seeds inside run)
+  static inline u128 fill_forward(u128 seed, u128 run) {
+    for (int k = 1; k < 128; k <<= 1) { seed |= (seed << k) & run; run &= run << k; }
     return seed;
   }
 
@@ -1565,14 +1598,57 @@ class Engine {
     return st & valid;
   }
 
-  template <class T, class F>
+  // The same for o200k (`match_o200k` over ASCII: the GPU path's host model, `_starts_o200k`).
+  // Against the cl100k rules: a letter run splits before each uppercase letter that follows a
+  // lowercase one (words are U* l+ | U+ l*); a contraction is a suffix of the word before it,
+  // not a piece (`ap`: the apostrophes right after a letter and before one, which the caller
+  // decides); and a punctuation piece takes [\r\n/]* after its run, so the \r \n and / of such a
+  // trailer start nothing and are no whitespace or punctuation of their own.
+  inline u128 view_starts_o200k(const u128* v, int nv, bool at_end, u128& ap) const {
+    const u128 valid = nv >= 128 ? ~u128(0) : (u128(1) << nv) - 1;
+    const u128 Lm = v[B_L], Nm = v[B_N], SP = v[B_SP], Um = v[B_UP];
+    const u128 P0 = valid & ~(Lm | Nm | v[B_W]);
+    // trailers: from an \r or \n right after punctuation, through \r \n /
+    const u128 trailer = fill_forward(v[B_R] & (P0 << 1), v[B_R] | v[B_SL]);
+    const u128 P = P0 & ~trailer, Wm = v[B_W] & ~trailer, Rm = v[B_R] & ~trailer;
+    u128 st = 1;
+    u128 x = Nm & ~(Nm << 1);  // \p{N}{1,3}: a digit run's first digit, then every third
+    st |= x;
+    while (x) { x = (x << 3) & Nm & (Nm << 1) & (Nm << 2); st |= x; }
+    st |= P & ~(P << 1) & ~(SP << 1);  // a punctuation run, unless ' ?' took the space before it
+    // letter runs: joined by the last whitespace character before them (not \r \n) or by one
+    // punctuation character at a scan position; split before an uppercase letter after a lowercase one
+    const u128 Lb = Lm & ~(Lm << 1);
+    const u128 join = ((Wm & ~Rm) << 1) | ((P << 1) & ~(P << 2) & ~(SP << 2));
+    st |= Lb & ~join;
+    st |= Um & ((Lm & ~Um) << 1);
+    ap = v[B_AP] & (Lm << 1) & (Lm >> 1) & valid;
+    // whitespace runs (a trailer is none): the first character, the one after the run's last
+    // \r \n, and the run's last character when something follows
+    st |= Wm & ~(Wm << 1);
+    const u128 Wnr = Wm & ~Rm;
+    st |= Wnr & (Rm << 1) & fill_back(Wnr & ~(Wm >> 1), Wnr);
+    const u128 has_next = at_end ? valid >> 1 : valid;
+    st |= Wnr & ~(Wm >> 1) & has_next;
+    // (what follows a trailer starts a piece by the rules above: the trailer is no P and no W)
+    return st & valid;
+  }
+
+  // One piece's end from scan position i, the per-character way (the block scanner's fallback).
+  template <bool O2, class T>
+  inline int64_t match_one(const T* s, int64_t i, int64_t b) const {
+    return O2 ? match_o200k(s, i, b) : match_cl(s, i, b);
+  }
+
+  template <bool O2, class T, class F>
   void pretok_block(const T* s, int64_t a, int64_t b, F&& piece) const {
-    ClassBits cb;
+    constexpr int NB = O2 ? B_COUNT : B_CL;
+    ClassBits<NB> cb;
     int64_t base = a, end = a;  // cb holds [base, end)
     int64_t i = a;
     while (i < b) {
       if (!ascii_ahead(s, i, b)) {  // dense non-ASCII text (CJK...): no view would get far
-        const int64_t e = match_cl(s, i, b);
+        const int64_t e = match_one<O2>(s, i, b);
         piece(i, e);
         i = e;
         continue;
@@ -1580,11 +1656,11 @@ class Engine {
       if (i + 128 > end && end < b) {
         base = i;
         end = std::min<int64_t>(b, i + CHUNK);
-        classify(s, base, end - base, cb);
+        classify<NB>(s, base, end - base, cb);
       }
       const int64_t o = i - base;
-      u128 v[B_COUNT];
-      for (int c = 0; c < B_COUNT; ++c) v[c] = bits_at(cb.w[c], o);
+      u128 v[NB];
+      for (int c = 0; c < NB; ++c) v[c] = bits_at(cb.w[c], o);
       int nv = int(std::min<int64_t>(128, end - i));
       if (v[B_HI]) nv = std::min(nv, ctz128(v[B_HI]));  // a non-ASCII character ends the view
       const bool at_end = i + nv == b;
@@ -1600,24 +1676,41 @@ class Engine {
         }
       }
       if (lim <= 1) {  // nothing decided past i: one piece the per-character way
-        const int64_t e = match_cl(s, i, b);
+        const int64_t e = match_one<O2>(s, i, b);
         piece(i, e);
         i = e;
         continue;
       }
-      if (nv < 128) for (int c = 0; c < B_COUNT; ++c) v[c] &= (u128(1) << nv) - 1;
-      u128 join_ap;
-      u128 st = view_starts(v, nv, at_end, join_ap);
-      while (join_ap) {  // 's 't 'm 'd 're 've 'll before a letter run: the rest starts a piece
-        const int x = ctz128(join_ap);
-        join_ap &= join_ap - 1;
-        const int64_t e = contraction(s, i + x - 1, b) - i;
-        if (e > x && e < nv && ((v[B_L] >> e) & 1)) st |= u128(1) << e;
+      if (nv < 128) for (int c = 0; c < NB; ++c) v[c] &= (u128(1) << nv) - 1;
+      u128 st;
+      if constexpr (O2) {
+        u128 ap;
+        st = view_starts_o200k(v, nv, at_end, ap);
+        int64_t taken = -1;  // where the last contraction ended: an apostrophe there follows no word
+        while (ap) {  // (?i:'s|'t|'re|'ve|'m|'ll|'d) after a word: part of its piece, the rest starts one
+          const int x = ctz128(ap);
+          ap &= ap - 1;
+          if (x == taken) continue;
+          const int64_t e = contraction(s, i + x, b) - i;
+          if (e == x) continue;
+          st &= ~(((e >= 128 ? ~u128(0) : (u128(1) << e) - 1)) & ~((u128(1) << x) - 1));  // none in [x, e)
+          if (e < nv) st |= u128(1) << e;
+          taken = e;
+        }
+      } else {
+        u128 join_ap;
+        st = view_starts(v, nv, at_end, join_ap);
+        while (join_ap) {  // 's 't 'm 'd 're 've 'll before a letter run: the rest starts a piece
+          const int x = ctz128(join_ap);
+          join_ap &= join_ap - 1;
+          const int64_t e = contraction(s, i + x - 1, b) - i;
+          if (e > x && e < nv && ((v[B_L] >> e) & 1)) st |= u128(1) << e;
+        }
       }
       if (lim < 128) st &= (u128(1) << lim) - 1;
       st &= st - 1;  // bit 0: i itself
       if (!st && !at_end) {
-        const int64_t e = match_cl(s, i, b);
+        const int64_t e = match_one<O2>(s, i, b);
         piece(i, e);
         i = e;
         continue;
@@ -1634,9 +1727,13 @@ class Engine {
     }
   }
 #else
-  template <class T, class F>
+  template <bool O2, class T, class F>
   void pretok_block(const T* s, int64_t a, int64_t b, F&& piece) const {
-    for (int64_t i = a; i < b;) { const int64_t e = match_cl(s, i, b); piece(i, e); i = e; }
+    for (int64_t i = a; i < b;) {
+      const int64_t e = O2 ? match_o200k(s, i, b) : match_cl(s, i, b);
+      piece(i, e);
+      i = e;
+    }
   }
 #endif
 
@@ -1645,10 +1742,11 @@ class Engine {
   void pretokenize(const T* s, int64_t a, int64_t b, F&& piece) const {
     if (t.rules == DEEPSEEK) { pretok_deepseek(s, a, b, piece); return; }
     int64_t i = a;
-    if (t.rules == O200K) {
+    if (block_cl) {  // (`use_block_scanner` turns off block_cl alone)
+      if (block_o200k) pretok_block<true>(s, a, b, piece);
+      else pretok_block<false>(s, a, b, piece);
+    } else if (t.rules == O200K) {
       while (i < b) { int64_t e = match_o200k(s, i, b); piece(i, e); i = e; }
-    } else if (block_cl) {
-      pretok_block(s, a, b, piece);
     } else {
       while (i < b) { int64_t e = match_cl(s, i, b); piece(i, e); i = e; }
     }
