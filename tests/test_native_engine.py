@@ -1220,7 +1220,7 @@ def test_lane_windows_of_every_width_are_exact(name, threads, monkeypatch, tally
 # such atoms, shifted against the view edges, checked against the per-character scanner and
 # against the references (HF's pre-tokenizer, the `regex` module, the reference encode).
 
-BLOCK_TOKENIZERS = ("llama3", "cl100k_base", "qwen3", "o200k_base", "o200k_harmony")
+BLOCK_TOKENIZERS = ("llama3", "cl100k_base", "qwen3", "o200k_base", "o200k_harmony", "deepseek_v4")
 BLOCK_RULES = ("cl100k_hf", "cl100k_tt", "qwen", "o200k")
 BLOCK_ATOMS = ["a", "Z", "word", " word", "  x", "s", "t", "re", "ve", "LL", "d", "M", "'", "'s", "'T", "'re", "'VE",
                "'ll", "'d", "'m", "''", "x's", " 's", "!'s", " ", "  ", "   ", "\t", "\n", "\r\n", "\n\n", " \n ",
@@ -1228,7 +1228,9 @@ BLOCK_ATOMS = ["a", "Z", "word", " word", "  x", "s", "t", "re", "ve", "LL", "d"
                "-", "/", "\x00", "\x1f", "\x7f", "\u00e9", "\u2019", "\u00a0", "\U0001f600",
                # o200k: words split before an uppercase letter after a lowercase one, contractions
                # are suffixes, and punctuation takes [\r\n/]* after its run
-               "aB", "ABc", "Ab'S", "lL", "'lL", "!\n/", "/\n", "*/\n//", "\n/", ";\r\n/*", "/x"]
+               "aB", "ABc", "Ab'S", "lL", "'lL", "!\n/", "/\n", "*/\n//", "\n/", ";\r\n/*", "/x",
+               # DeepSeek: digits cut segments, control characters prefix letters or make gaps
+               " 1", "  1", "a1b", "\x01", "\x01x", "\x01\x02", ".x", "\u4e2d"]
 block_adv = st.builds(lambda pad, parts: "x" * pad + "".join(parts), st.integers(0, 140),
                       st.lists(st.sampled_from(BLOCK_ATOMS), max_size=200))
 
@@ -1246,7 +1248,7 @@ def _edge_texts() -> list[str]:
     shifted by 0-3 characters, ended by each kind of follower."""
     out = []
     for run in ("a", "A", " ", "\n", "\r\n", " \n", "1", "!", "'s", "a'", "  a", "\t\n ", "x1", "'ll", "aB", "!\n/",
-                "/\n"):
+                "/\n", " 1", "\x01", "\x01a"):
         for n in (1, 2, 3, 62, 63, 64, 65, 125, 126, 127, 128, 129, 130, 255, 256, 4094, 4095, 4096, 4097):
             for shift in ("", "b", " b", "1!\n"):
                 for tail in ("", "y", " y", "1", "\n", " ", "'s", "\u00e9"):
@@ -1256,11 +1258,8 @@ def _edge_texts() -> list[str]:
 
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)
 def test_block_scanner_serves_where_proven(name):
-    on, reason = get_tokenizer(name).native.block_scanner
-    if name in BLOCK_TOKENIZERS:
-        assert on and reason == ""
-    else:  # DeepSeek's rules are not covered: the per-character scanner, with the reason
-        assert not on and "not covered" in reason
+    assert name in BLOCK_TOKENIZERS  # every bundled rule set has one now
+    assert get_tokenizer(name).native.block_scanner == (True, "")
 
 
 @pytest.mark.parametrize("name", BLOCK_TOKENIZERS)
@@ -1306,6 +1305,23 @@ def test_block_scanner_on_every_short_ascii_context(rules):
         text = "".join(grams[lo:lo + 3000])
         starts, _ = eng.pieces(text)
         assert _spans(starts, len(text)) == regex_pieces(REGEX_RULES[rules], text), f"grams from {lo}"
+
+
+def test_block_scanner_deepseek_on_every_short_ascii_context(tally):
+    # DeepSeek's three split stages have no one regex for `regex_pieces`: every 5-gram over the
+    # characters its rules tell apart, against the per-character scanner (which the campaigns
+    # certify) everywhere and against HF's own pre-tokenizer on every 8th stretch.
+    import itertools
+
+    tok = get_tokenizer("deepseek_v4")
+    core = tok.native._core
+    alphabet = "aS.( 1\n\r\t\x01!"
+    grams = ["".join(p) for k in range(1, 6) for p in itertools.product(alphabet, repeat=k)]
+    for j, lo in enumerate(range(0, len(grams), 3000)):
+        text = "".join(grams[lo:lo + 3000])
+        assert np.array_equal(core.pieces(text)[0], _per_character(core, text)), f"grams from {lo}"
+        if j % 8 == 0:
+            check_hf_pieces(tok, text, tally)
 
 
 @pytest.mark.parametrize("name", BLOCK_TOKENIZERS)

@@ -1356,26 +1356,31 @@ class Engine {
   static constexpr bool BLOCK_BUILT = false;
 #endif
   // B_UP (an uppercase letter) and B_SL ('/') are read by the o200k rules only; the cl100k-like
-  // rules classify 7 bits (`B_CL`), o200k's 9.
+  // rules classify 7 bits (`B_CL`), o200k's 9.  DeepSeek's rules read no apostrophe: its bit 5
+  // is punctuation or symbol (`B_PS`, \p{P}\p{S} from the table).
   enum BlockBit : int { B_L = 0, B_N, B_W, B_R, B_SP, B_AP, B_HI, B_UP, B_SL, B_COUNT };
-  static constexpr int B_CL = B_UP;
+  static constexpr int B_CL = B_UP, B_PS = B_AP;
+  enum BlockRules : int { BR_CL = 0, BR_O200K, BR_DS };  // which rules `pretok_block` follows
+  static constexpr int block_bits(int r) { return r == BR_O200K ? B_COUNT : B_CL; }
   uint16_t bcode[129] = {};  // class bits of ASCII code points; [128]: any other character
   bool block_cl = false;  // the block scanner serves this tokenizer (`build_block`)
-  bool block_o200k = false;  // ... with the o200k rules (`view_starts_o200k`)
+  int block_rules = BR_CL;  // ... with these rules
   const char* block_reason = "not built";
 
   void build_block() {
-    block_cl = block_o200k = false;
+    block_cl = false;
     if (!BLOCK_BUILT) { block_reason = "compiled without SSE2 and 128-bit integers"; return; }
-    const bool o2 = t.rules == O200K;
-    if (t.rules != CL100K_HF && t.rules != CL100K_TT && t.rules != QWEN && !o2) {
-      block_reason = "rule set not covered (DeepSeek keeps the per-character scanner)";
+    const bool o2 = t.rules == O200K, ds = t.rules == DEEPSEEK;
+    if (t.rules != CL100K_HF && t.rules != CL100K_TT && t.rules != QWEN && !o2 && !ds) {
+      block_reason = "rule set not covered";
       return;
     }
     for (uint32_t c = 0; c < 128; ++c) {
       const uint32_t k = t.cls[c];
-      const int classes = int(bool(k & L)) + int(bool(k & N)) + int(bool(k & W));
-      if (classes > 1) { block_reason = "an ASCII character in more than one of L, N, W"; return; }
+      const int classes = int(bool(k & L)) + int(bool(k & N)) + int(bool(k & W)) + int(ds && (k & PS));
+      if (classes > 1) { block_reason = "an ASCII character in more than one of L, N, W (PS)"; return; }
+      // DeepSeek: no ASCII character is a mark or of the K class (stage 2 splits K runs off)
+      if (ds && (k & (M | K))) { block_reason = "an ASCII mark or K character (DeepSeek)"; return; }
       if (((k >> FOLD_SHIFT) & 0xFF) && !(k & L)) { block_reason = "an ASCII contraction fold on a non-letter"; return; }
       // o200k's words are U* l+ | U+ l*: an ASCII letter must be exactly one of upper and lower,
       // and nothing else either (a mark or an Lm/Lo letter, both, is never ASCII)
@@ -1385,8 +1390,9 @@ class Engine {
       }
       // (B_UP where the rules do not read it: A-Z, what `simd_bits` gives, so the comparison holds)
       const bool up = o2 ? bool(k & UP) : (c >= 'A' && c <= 'Z');
+      const bool bit5 = ds ? bool(k & PS) : c == '\'';
       bcode[c] = uint16_t((k & L ? 1 << B_L : 0) | (k & N ? 1 << B_N : 0) | (k & W ? 1 << B_W : 0) |
-                          (is_r(c) ? 1 << B_R : 0) | (c == ' ' ? 1 << B_SP : 0) | (c == '\'' ? 1 << B_AP : 0) |
+                          (is_r(c) ? 1 << B_R : 0) | (c == ' ' ? 1 << B_SP : 0) | (bit5 ? 1 << B_AP : 0) |
                           (up ? 1 << B_UP : 0) | (c == '/' ? 1 << B_SL : 0));
     }
     if (!(t.cls['\r'] & W) || !(t.cls['\n'] & W) || !(t.cls[' '] & W) || (t.cls['\''] & (L | N | W))) {
@@ -1396,26 +1402,29 @@ class Engine {
     if (o2 && (t.cls['/'] & (L | N | W | M))) { block_reason = "the slash not punctuation (o200k)"; return; }
     bcode[128] = 1 << B_HI;
     block_cl = true;
-    block_o200k = o2;
+    block_rules = o2 ? BR_O200K : ds ? BR_DS : BR_CL;
     block_reason = "";
-    simd_classify = BLOCK_BUILT && simd_codes_match();
+    simd_classify = BLOCK_BUILT && (o2 ? simd_codes_match<BR_O200K>() : ds ? simd_codes_match<BR_DS>()
+                                                                          : simd_codes_match<BR_CL>());
   }
 
   // `classify` by byte comparisons (`simd_bits`) instead of a table read per character, only
   // where they give exactly `bcode` for every code point below 256 (checked here, at load;
   // wider characters, of any str width, saturate to 255 first, which is non-ASCII like them).
   bool simd_classify = false;
+  template <int R>
   bool simd_codes_match() const {
 #if defined(__SSE2__) && defined(__SIZEOF_INT128__)
+    constexpr int NB = block_bits(R);
     for (uint32_t c0 = 0; c0 < 256; c0 += 16) {
       alignas(16) uint8_t lane[16];
       for (uint32_t j = 0; j < 16; ++j) lane[j] = uint8_t(c0 + j);
       uint16_t got[B_COUNT];
-      simd_bits<B_COUNT>(_mm_load_si128(reinterpret_cast<const __m128i*>(lane)), got);
+      simd_bits<R>(_mm_load_si128(reinterpret_cast<const __m128i*>(lane)), got);
       for (uint32_t j = 0; j < 16; ++j) {
         uint16_t code = 0;
-        for (int b = 0; b < B_COUNT; ++b) code |= uint16_t(((got[b] >> j) & 1) << b);
-        if (code != bcode[std::min<uint32_t>(c0 + j, 128)]) return false;
+        for (int b = 0; b < NB; ++b) code |= uint16_t(((got[b] >> j) & 1) << b);
+        if (code != (bcode[std::min<uint32_t>(c0 + j, 128)] & ((1u << NB) - 1))) return false;
       }
     }
     return true;
@@ -1431,8 +1440,8 @@ class Engine {
   template <int NB> struct ClassBits { uint64_t w[NB][CHUNK_WORDS]; };
 
   // The class bits of 16 byte-sized characters (one bit per character in each got[b]), the
-  // first NB of them.
-  template <int NB>
+  // first block_bits(R) of them, as rules R read them.
+  template <int R>
   static inline void simd_bits(__m128i x, uint16_t* got) {
     const __m128i zero = _mm_setzero_si128();
     auto in_range = [&](__m128i v, char lo, char span) {  // lo <= v <= lo + span, unsigned
@@ -1449,10 +1458,17 @@ class Engine {
     got[B_W] = uint16_t(_mm_movemask_epi8(ws));
     got[B_R] = uint16_t(_mm_movemask_epi8(r));
     got[B_SP] = uint16_t(_mm_movemask_epi8(space));
-    got[B_AP] = uint16_t(_mm_movemask_epi8(eq('\'')));
+    if (R == BR_DS) {  // printable, not a letter, digit or space: ASCII's \p{P} and \p{S}
+      const __m128i printable = in_range(x, '!', '~' - '!');
+      got[B_PS] = uint16_t(_mm_movemask_epi8(_mm_andnot_si128(_mm_or_si128(letter, digit), printable)));
+    } else {
+      got[B_AP] = uint16_t(_mm_movemask_epi8(eq('\'')));
+    }
     got[B_HI] = uint16_t(_mm_movemask_epi8(x));  // the top bit: 128 and up
-    if (NB > B_UP) got[B_UP] = uint16_t(_mm_movemask_epi8(in_range(x, 'A', 25)));
-    if (NB > B_SL) got[B_SL] = uint16_t(_mm_movemask_epi8(eq('/')));
+    if (R == BR_O200K) {
+      got[B_UP] = uint16_t(_mm_movemask_epi8(in_range(x, 'A', 25)));
+      got[B_SL] = uint16_t(_mm_movemask_epi8(eq('/')));
+    }
   }
 
   // 16 characters from p as bytes, wider ones saturated to 255 (only where 16 remain)
@@ -1475,16 +1491,17 @@ class Engine {
     return _mm_packus_epi16(clamp(a), clamp(b));
   }
 
-  // The first NB class bits (`B_CL` or `B_COUNT`) of s[from, from + len).
-  template <int NB, class T>
-  void classify(const T* s, int64_t from, int64_t len, ClassBits<NB>& cb) const {  // len <= CHUNK
+  // The class bits rules R read (`block_bits(R)` of them) of s[from, from + len).
+  template <int R, class T>
+  void classify(const T* s, int64_t from, int64_t len, ClassBits<block_bits(R)>& cb) const {  // len <= CHUNK
+    constexpr int NB = block_bits(R);
     int64_t k = 0;
     if (simd_classify) {
       for (; k + 64 <= len; k += 64) {
         uint64_t word[NB] = {};
         for (int q = 0; q < 4; ++q) {
           uint16_t got[B_COUNT];
-          simd_bits<NB>(narrow16(s + from + k + 16 * q), got);
+          simd_bits<R>(narrow16(s + from + k + 16 * q), got);
           for (int b = 0; b < NB; ++b) word[b] |= uint64_t(got[b]) << (16 * q);
         }
         for (int b = 0; b < NB; ++b) cb.w[b][k / 64] = word[b];
@@ -1634,21 +1651,77 @@ class Engine {
     return st & valid;
   }
 
-  // One piece's end from scan position i, the per-character way (the block scanner's fallback).
-  template <bool O2, class T>
-  inline int64_t match_one(const T* s, int64_t i, int64_t b) const {
-    return O2 ? match_o200k(s, i, b) : match_cl(s, i, b);
+  // The same for DeepSeek (`pretok_deepseek` over ASCII: `_starts_deepseek`).  Stage 1 makes each
+  // digit run (3 at a time) and each stretch between digits a segment of its own: nothing joins
+  // across a digit, and a whitespace run before one ends its segment (\s+(?!\S) takes it whole).
+  // Stage 2's K runs are never ASCII.  In stage 3, letters are joined by one punctuation or symbol
+  // character at a scan position (its first alternative) or by whitespace other than \r \n or a
+  // control character (the second's prefix); a control character that prefixes nothing matches no
+  // alternative, and such characters in a row are one gap piece.
+  inline u128 view_starts_ds(const u128* v, int nv, bool at_end) const {
+    const u128 valid = nv >= 128 ? ~u128(0) : (u128(1) << nv) - 1;
+    const u128 Lm = v[B_L], Nm = v[B_N], Wm = v[B_W], Rm = v[B_R], SP = v[B_SP], PS = v[B_PS];
+    const u128 O = valid & ~(Lm | Nm | Wm | PS);
+    u128 st = 1;
+    u128 x = Nm & ~(Nm << 1);  // \p{N}{1,3}: a digit run's first digit, then every third
+    st |= x;
+    while (x) { x = (x << 3) & Nm & (Nm << 1) & (Nm << 2); st |= x; }
+    // (the stretch after digits starts a piece by the rules below: a digit joins nothing)
+    st |= PS & ~(PS << 1) & ~(SP << 1);  // a punctuation run, unless ' ?' took the space before it
+    const u128 Lb = Lm & ~(Lm << 1);
+    const u128 join = (((Wm & ~Rm) | O) << 1) | ((PS << 1) & ~(PS << 2) & ~(SP << 2));
+    st |= Lb & ~join;
+    st |= O & ((Lm >> 1) | ~(O << 1));  // a gap run's first character, and a letter run's prefix
+    // whitespace runs: as cl100k's (the \r \n a punctuation piece's [\r\n]* took, the character
+    // after the run's last \r \n, the run's last character when its segment goes on)
+    const u128 Ws = Wm & ~(Wm << 1);
+    const u128 seed = Ws & Rm & (PS << 1);
+    st |= Ws & ~seed;
+    st |= (Rm + seed) & ~Rm & Wm;
+    const u128 Wnr = Wm & ~Rm;
+    st |= Wnr & (Rm << 1) & fill_back(Wnr & ~(Wm >> 1), Wnr);
+    const u128 has_next = (at_end ? valid >> 1 : valid) & ~(Nm >> 1);
+    st |= Wnr & ~(Wm >> 1) & has_next;
+    return st & valid;
   }
 
-  template <bool O2, class T, class F>
+  // DeepSeek: one piece's end from scan position i (a piece start), as `pretok_deepseek` cuts it.
+  // `seg`: the end of the stage-2 segment found by an earlier call from the same segment (so a
+  // long one is walked once, not once a piece), or anything <= i.
+  template <class T>
+  int64_t match_ds(const T* s, int64_t i, int64_t b, int64_t& seg) const {
+    if (cls(s[i]) & N) return digits(s, i, b, 3);
+    if (seg <= i) {  // the segment: to the next digit or K change
+      const bool k = cls(s[i]) & K;
+      seg = i + 1;
+      while (seg < b && !(cls(s[seg]) & N) && bool(cls(s[seg]) & K) == k) ++seg;
+    }
+    const int64_t e = seg;
+    const int64_t m = match_ds3(s, i, e);
+    if (m >= 0) return m;
+    int64_t j = i + 1;  // a gap: to where stage 3 matches again
+    while (j < e && match_ds3(s, j, e) < 0) ++j;
+    return j;
+  }
+
+  // One piece's end from scan position i, the per-character way (the block scanner's fallback);
+  // `seg` as `match_ds` keeps it.
+  template <int R, class T>
+  inline int64_t match_one(const T* s, int64_t i, int64_t b, int64_t& seg) const {
+    if constexpr (R == BR_DS) return match_ds(s, i, b, seg);
+    return R == BR_O200K ? match_o200k(s, i, b) : match_cl(s, i, b);
+  }
+
+  template <int R, class T, class F>
   void pretok_block(const T* s, int64_t a, int64_t b, F&& piece) const {
-    constexpr int NB = O2 ? B_COUNT : B_CL;
+    constexpr int NB = block_bits(R);
     ClassBits<NB> cb;
+    int64_t seg = a;  // (DeepSeek's fallback: the end of the stage-2 segment it last walked)
     int64_t base = a, end = a;  // cb holds [base, end)
     int64_t i = a;
     while (i < b) {
       if (!ascii_ahead(s, i, b)) {  // dense non-ASCII text (CJK...): no view would get far
-        const int64_t e = match_one<O2>(s, i, b);
+        const int64_t e = match_one<R>(s, i, b, seg);
         piece(i, e);
         i = e;
         continue;
@@ -1656,7 +1729,7 @@ class Engine {
       if (i + 128 > end && end < b) {
         base = i;
         end = std::min<int64_t>(b, i + CHUNK);
-        classify<NB>(s, base, end - base, cb);
+        classify<R>(s, base, end - base, cb);
       }
       const int64_t o = i - base;
       u128 v[NB];
@@ -1676,14 +1749,16 @@ class Engine {
         }
       }
       if (lim <= 1) {  // nothing decided past i: one piece the per-character way
-        const int64_t e = match_one<O2>(s, i, b);
+        const int64_t e = match_one<R>(s, i, b, seg);
         piece(i, e);
         i = e;
         continue;
       }
       if (nv < 128) for (int c = 0; c < NB; ++c) v[c] &= (u128(1) << nv) - 1;
       u128 st;
-      if constexpr (O2) {
+      if constexpr (R == BR_DS) {
+        st = view_starts_ds(v, nv, at_end);
+      } else if constexpr (R == BR_O200K) {
         u128 ap;
         st = view_starts_o200k(v, nv, at_end, ap);
         int64_t taken = -1;  // where the last contraction ended: an apostrophe there follows no word
@@ -1710,7 +1785,7 @@ class Engine {
       if (lim < 128) st &= (u128(1) << lim) - 1;
       st &= st - 1;  // bit 0: i itself
       if (!st && !at_end) {
-        const int64_t e = match_one<O2>(s, i, b);
+        const int64_t e = match_one<R>(s, i, b, seg);
         piece(i, e);
         i = e;
         continue;
@@ -1727,10 +1802,11 @@ class Engine {
     }
   }
 #else
-  template <bool O2, class T, class F>
+  template <int R, class T, class F>
   void pretok_block(const T* s, int64_t a, int64_t b, F&& piece) const {
+    int64_t seg = a;
     for (int64_t i = a; i < b;) {
-      const int64_t e = O2 ? match_o200k(s, i, b) : match_cl(s, i, b);
+      const int64_t e = R == BR_DS ? match_ds(s, i, b, seg) : R == BR_O200K ? match_o200k(s, i, b) : match_cl(s, i, b);
       piece(i, e);
       i = e;
     }
@@ -1740,11 +1816,13 @@ class Engine {
   // Piece boundaries of the literal-free segment [a, b): calls piece(start, end) in order.
   template <class T, class F>
   void pretokenize(const T* s, int64_t a, int64_t b, F&& piece) const {
-    if (t.rules == DEEPSEEK) { pretok_deepseek(s, a, b, piece); return; }
     int64_t i = a;
     if (block_cl) {  // (`use_block_scanner` turns off block_cl alone)
-      if (block_o200k) pretok_block<true>(s, a, b, piece);
-      else pretok_block<false>(s, a, b, piece);
+      if (block_rules == BR_O200K) pretok_block<BR_O200K>(s, a, b, piece);
+      else if (block_rules == BR_DS) pretok_block<BR_DS>(s, a, b, piece);
+      else pretok_block<BR_CL>(s, a, b, piece);
+    } else if (t.rules == DEEPSEEK) {
+      pretok_deepseek(s, a, b, piece);
     } else if (t.rules == O200K) {
       while (i < b) { int64_t e = match_o200k(s, i, b); piece(i, e); i = e; }
     } else {
