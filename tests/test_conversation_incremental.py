@@ -461,11 +461,48 @@ def test_rope_equals_the_string_it_stands_for():
             b = rng.randrange(a, len(text) + 1)
             assert rope.slice(a, b) == text[a:b], seed
             assert len(rope) == len(text) and rope.endswith(text[a:]), seed
+            # equals(a, other, i, n): against the same characters elsewhere, and one changed
+            other = "q" + text[a:b] + "r"
+            assert rope.equals(a, other, 1, b - a), seed
+            if b > a:
+                k = rng.randrange(a, b)
+                changed = other[:1 + k - a] + ("Q" if text[k] != "Q" else "R") + other[2 + k - a:]
+                assert not rope.equals(a, changed, 1, b - a), seed
+            assert not rope.equals(a, other, 1, len(text) - a + 1), seed  # past the rope's end
         for r, t in history:  # persistent: every earlier rope still spells its own text
             assert str(r) == t and r == t, seed
             # Its size as a str: every character at the widest one's width (no more than the pieces').
             top = max(map(ord, t), default=0)
             assert r.nbytes >= len(t) * (1 if top < 0x100 else 2 if top < 0x10000 else 4), seed
+
+
+def test_match_forward_compares_code_points_of_any_width():
+    """`text_diff.match_forward` (the native `common_prefix` where built) against the slice
+    comparison it replaces: strs of every width against each other, at every offset, with the
+    first difference early, late, inside a 64-character block and at its edges."""
+    import random
+
+    from toktier import text_diff
+
+    rng = random.Random(5)
+    alphabet = ["a", "b", "\u00e9", "\u20ac", "\U0001f642"]
+    for _ in range(400):
+        base = "".join(rng.choice(alphabet[:rng.randrange(1, 6)]) for _ in range(rng.randrange(0, 300)))
+        other = list(base)
+        if other and rng.random() < 0.8:
+            k = rng.choice([0, len(other) - 1, 63, 64, 65, 127, 128, rng.randrange(len(other))])
+            if k < len(other):
+                other[k] = "z"
+        other = "".join(other)
+        for _ in range(3):
+            i, j = rng.randrange(0, len(base) + 1), rng.randrange(0, len(other) + 1)
+            limit = rng.randrange(0, 400)
+            # (the slice comparison's contract: a limit within both strings; the native one clamps)
+            inside = min(limit, len(base) - i, len(other) - j)
+            want = text_diff._match_forward_slices(base, i, other, j, inside)
+            assert text_diff.match_forward(base, i, other, j, inside) == want
+            assert text_diff.match_forward(base, i, other, j, limit) == want
+            assert text_diff.match_forward(base, i, base, i, limit) == min(limit, len(base) - i)
 
 
 @pytest.mark.parametrize("text", ["", "a", "ab" * 999, "\u00e9", "a" * 5000 + "\u00ff", "\u20ac" * 7,

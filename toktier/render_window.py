@@ -325,6 +325,25 @@ class Rope:
             node, end = node._prev, start
         return "".join(reversed(pieces))
 
+    def equals(self, a: int, text: str, i: int, n: int) -> bool:
+        """Whether self[a:a + n] == text[i:i + n] (both in range), compared piece by piece in place
+        (`text_diff.match_forward`), without joining or slicing either."""
+        if a < 0 or i < 0 or a + n > self._len or i + n > len(text):
+            return False
+        if self._joined is not None:
+            return match_forward(self._joined, a, text, i, n) == n
+        node, end = self, self._len
+        while node is not None and end > a:  # pieces from the end back to a
+            start = end - (node._hi - node._lo)
+            if node._joined is not None:  # (a joined node is the whole text before `end`)
+                lo, hi = a, min(a + n, end)
+                return hi <= lo or match_forward(node._joined, lo, text, i, hi - lo) == hi - lo
+            lo, hi = max(a, start), min(a + n, end)
+            if lo < hi and match_forward(node._base, node._lo + lo - start, text, i + lo - a, hi - lo) != hi - lo:
+                return False
+            node, end = node._prev, start
+        return True
+
     def endswith(self, suffix: str) -> bool:
         n = len(self)
         return len(suffix) <= n and self.slice(n - len(suffix), n) == suffix
@@ -393,7 +412,7 @@ def _append_all(render: Render, old: list[dict], new: list[dict], stored: Rope, 
                 h = match_forward(A, 0, H, 0, min(len(A), len(H)))
             else:
                 continue
-            own = A[h:]
+            own = len(A) - h  # the window's own text: A[h:]
             if L is None:
                 G = ""
                 if stored_gp:
@@ -406,9 +425,9 @@ def _append_all(render: Render, old: list[dict], new: list[dict], stored: Rope, 
                 L = n - len(G)
             if not 0 <= L <= n:
                 return None
-            crossing = cut is not None and (len(own) > L or not head)
+            crossing = cut is not None and (own > L or not head)
             if not crossing:
-                if len(own) > L or (not head and len(own) != L) or stored.slice(L - len(own), L) != own:
+                if own > L or (not head and own != L) or not stored.equals(L - own, A, h, own):
                     continue
                 a: int | None = h
             else:  # compare what follows the run's marker
@@ -420,32 +439,32 @@ def _append_all(render: Render, old: list[dict], new: list[dict], stored: Rope, 
             return None
         base = L - (len(A) - a)  # where A[a:] starts in the stored text
         B = render([*ctx, *new], gp)
-        b = _anchor(B, A[:h], crossing, cut)
+        b = _anchor(B, A, h, crossing, cut)
         if b is None:
             return None
-        Ax, Bx = A[a:], B[b:]
-        end = base + len(Bx)
+        end = base + len(B) - b
         if gp:
             C = render([*ctx, *new], False)
-            c = _anchor(C, A[:h], crossing, cut)
-            if c is None or not Bx.startswith(C[c:]):
+            c = _anchor(C, A, h, crossing, cut)
+            # B[b:] starts with C[c:] (the render without the prompt)
+            if c is None or len(B) - b < len(C) - c or match_forward(B, b, C, c, len(C) - c) != len(C) - c:
                 return None
             end = base + len(C) - c
     except (ChatTemplateError, InvalidChatInput):
         return None
-    # The new text: stored[:base + q] + Bx[q:], q the length the window's old and new texts share.
-    # (base + q <= L <= len(stored): the edit starts inside the stored text.)
-    q = match_forward(Ax, 0, Bx, 0, min(len(Ax), len(Bx)))
+    # The new text: stored[:base + q] + B[b + q:], q the length the window's old and new texts
+    # (A[a:], B[b:]) share.  (base + q <= L <= len(stored): the edit starts inside the stored text.)
+    q = match_forward(A, a, B, b, min(len(A) - a, len(B) - b))
     # Windowed only when the window left messages out (a window holding them all renders exactly).
-    return Appended(base + q, Bx[q:], end, len(ctx) < len(old))
+    return Appended(base + q, B[b + q:], end, len(ctx) < len(old))
 
 
-def _anchor(text: str, H: str, crossing: bool, cut: Callable[[str], int | None] | None) -> int | None:
-    """Where `text` (a render of the window plus the new message) is compared from: after `H`,
-    the head's text as the window render has it (which `text` must start with), or after the
-    marker."""
+def _anchor(text: str, A: str, h: int, crossing: bool, cut: Callable[[str], int | None] | None) -> int | None:
+    """Where `text` (a render of the window plus the new message) is compared from: after the
+    head's text as the window render `A` has it (A[:h], which `text` must start with), or after
+    the marker."""
     if not crossing:
-        return len(H) if text.startswith(H) else None
+        return h if len(text) >= h and match_forward(text, 0, A, 0, h) == h else None
     assert cut is not None
     return cut(text)
 

@@ -21,6 +21,8 @@ True
 
 from __future__ import annotations
 
+from .native import _core as _native  # None in a tree nobody built
+
 Edit = tuple[int, int, str]  # replace old[start:end] by the text (old-text character offsets)
 
 ANCHOR = 32  # characters that must match to resynchronise: short anchors find spurious matches
@@ -84,8 +86,15 @@ def _merge(edits: list[Edit]) -> list[Edit]:
 
 
 def match_forward(a: str, i: int, b: str, j: int, limit: int) -> int:
-    """Length of the common run a[i:] / b[j:] (at most `limit`): slices compared in doubling chunks
-    (C comparisons), then a binary search inside the first chunk that differs."""
+    """Length of the common run a[i:] / b[j:] (at most `limit`; 0 <= i <= len(a), 0 <= j <= len(b)):
+    compared in place by the native module (`common_prefix`), else slices compared in doubling
+    chunks (C comparisons), then a binary search inside the first chunk that differs."""
+    if _native is not None:
+        return _native.common_prefix(a, i, b, j, limit)
+    return _match_forward_slices(a, i, b, j, max(0, min(limit, len(a) - i, len(b) - j)))
+
+
+def _match_forward_slices(a: str, i: int, b: str, j: int, limit: int) -> int:
     k, chunk = 0, 256
     while k < limit:
         c = min(chunk, limit - k)
