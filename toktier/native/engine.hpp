@@ -1575,6 +1575,18 @@ class Engine {
     for (int k = 1; k < 128; k <<= 1) { seed |= (seed << k) & run; run &= run << k; }
     return seed;
   }
+  // \p{N}{1,3}: a digit run's first digit, then every third
+  static inline u128 digit_starts(u128 Nm) {
+    u128 x = Nm & ~(Nm << 1), st = x;
+    while (x) { x = (x << 3) & Nm & (Nm << 1) & (Nm << 2); st |= x; }
+    return st;
+  }
+  // A whitespace run's starts past its first character (o200k and DeepSeek): the character after
+  // its last \r \n, and its last character when something follows (`has_next`)
+  static inline u128 whitespace_tail_starts(u128 Wm, u128 Rm, u128 has_next) {
+    const u128 Wnr = Wm & ~Rm;
+    return (Wnr & (Rm << 1) & fill_back(Wnr & ~(Wm >> 1), Wnr)) | (Wnr & ~(Wm >> 1) & has_next);
+  }
 
   // Piece starts of the view of nv characters (bit j: character i + j; bit 0 is a piece start),
   // as `_starts_cl100k`; `at_end`: the view ends where the segment does.  `join_ap` receives the
@@ -1584,13 +1596,7 @@ class Engine {
     const u128 Lm = v[B_L], Nm = v[B_N], Wm = v[B_W], Rm = v[B_R], SP = v[B_SP];
     const u128 P = valid & ~(Lm | Nm | Wm);
     u128 st = 1;
-    if (t.rules == QWEN) {
-      st |= Nm;
-    } else {  // \p{N}{1,3}: a digit run's first digit, then every third
-      u128 x = Nm & ~(Nm << 1);
-      st |= x;
-      while (x) { x = (x << 3) & Nm & (Nm << 1) & (Nm << 2); st |= x; }
-    }
+    st |= t.rules == QWEN ? Nm : digit_starts(Nm);
     st |= P & ~(P << 1) & ~(SP << 1);  // a punctuation run, unless ' ?' took the space before it
     // letter runs: joined by the last whitespace character before them (not \r \n) or by one
     // punctuation character at a scan position (a run of one, no space before it)
@@ -1628,10 +1634,7 @@ class Engine {
     // trailers: from an \r or \n right after punctuation, through \r \n /
     const u128 trailer = fill_forward(v[B_R] & (P0 << 1), v[B_R] | v[B_SL]);
     const u128 P = P0 & ~trailer, Wm = v[B_W] & ~trailer, Rm = v[B_R] & ~trailer;
-    u128 st = 1;
-    u128 x = Nm & ~(Nm << 1);  // \p{N}{1,3}: a digit run's first digit, then every third
-    st |= x;
-    while (x) { x = (x << 3) & Nm & (Nm << 1) & (Nm << 2); st |= x; }
+    u128 st = 1 | digit_starts(Nm);
     st |= P & ~(P << 1) & ~(SP << 1);  // a punctuation run, unless ' ?' took the space before it
     // letter runs: joined by the last whitespace character before them (not \r \n) or by one
     // punctuation character at a scan position; split before an uppercase letter after a lowercase one
@@ -1640,13 +1643,8 @@ class Engine {
     st |= Lb & ~join;
     st |= Um & ((Lm & ~Um) << 1);
     ap = v[B_AP] & (Lm << 1) & (Lm >> 1) & valid;
-    // whitespace runs (a trailer is none): the first character, the one after the run's last
-    // \r \n, and the run's last character when something follows
-    st |= Wm & ~(Wm << 1);
-    const u128 Wnr = Wm & ~Rm;
-    st |= Wnr & (Rm << 1) & fill_back(Wnr & ~(Wm >> 1), Wnr);
-    const u128 has_next = at_end ? valid >> 1 : valid;
-    st |= Wnr & ~(Wm >> 1) & has_next;
+    // whitespace runs (a trailer is none): the first character, then as cl100k's
+    st |= (Wm & ~(Wm << 1)) | whitespace_tail_starts(Wm, Rm, at_end ? valid >> 1 : valid);
     // (what follows a trailer starts a piece by the rules above: the trailer is no P and no W)
     return st & valid;
   }
@@ -1662,10 +1660,7 @@ class Engine {
     const u128 valid = nv >= 128 ? ~u128(0) : (u128(1) << nv) - 1;
     const u128 Lm = v[B_L], Nm = v[B_N], Wm = v[B_W], Rm = v[B_R], SP = v[B_SP], PS = v[B_PS];
     const u128 O = valid & ~(Lm | Nm | Wm | PS);
-    u128 st = 1;
-    u128 x = Nm & ~(Nm << 1);  // \p{N}{1,3}: a digit run's first digit, then every third
-    st |= x;
-    while (x) { x = (x << 3) & Nm & (Nm << 1) & (Nm << 2); st |= x; }
+    u128 st = 1 | digit_starts(Nm);
     // (the stretch after digits starts a piece by the rules below: a digit joins nothing)
     st |= PS & ~(PS << 1) & ~(SP << 1);  // a punctuation run, unless ' ?' took the space before it
     const u128 Lb = Lm & ~(Lm << 1);
@@ -1678,10 +1673,7 @@ class Engine {
     const u128 seed = Ws & Rm & (PS << 1);
     st |= Ws & ~seed;
     st |= (Rm + seed) & ~Rm & Wm;
-    const u128 Wnr = Wm & ~Rm;
-    st |= Wnr & (Rm << 1) & fill_back(Wnr & ~(Wm >> 1), Wnr);
-    const u128 has_next = (at_end ? valid >> 1 : valid) & ~(Nm >> 1);
-    st |= Wnr & ~(Wm >> 1) & has_next;
+    st |= whitespace_tail_starts(Wm, Rm, (at_end ? valid >> 1 : valid) & ~(Nm >> 1));
     return st & valid;
   }
 
