@@ -12,6 +12,7 @@ the full path's chunks are covered too.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -1434,3 +1435,32 @@ def test_reserve_text_makes_room_by_half_and_keeps_the_text():
         with pytest.raises(BufferError):
             _core.reserve_text(text, room + 1_000)  # past its room, within twice its size
     assert bytes(text) == before + b"x" * (len(before) // 3)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and sets RLIMIT_AS")
+def test_reserve_text_without_memory_for_the_room_changes_nothing():
+    # `reserve_text` asks for half again; when that allocation fails, the text stays as it was
+    # (the exact growth an op needs may still fit) and no MemoryError escapes.  A 64 MiB text in
+    # a child process whose address space is capped 8 MiB above what it holds: the 96 MiB the
+    # reservation asks for cannot be had.  (Without the cap the same call makes 32 MiB of room.)
+    import subprocess
+
+    script = """
+import resource, sys
+from toktier.native import _engine as core
+text = bytearray(b"abcd" * (16 << 20))
+n, head, tail = len(text), bytes(text[:16]), bytes(text[-16:])
+if sys.argv[1] == "capped":
+    vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize:")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 20), resource.RLIM_INFINITY))
+core.reserve_text(text, n + 1)
+assert len(text) == n and bytes(text[:16]) == head and bytes(text[-16:]) == tail
+print(sys.getsizeof(text) - n)
+"""
+    room = {}
+    for mode in ("capped", "free"):
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        room[mode] = int(out.stdout.split()[-1])
+    assert room["free"] >= 16 << 20  # the reservation works where memory allows
+    assert room["capped"] < 1 << 20  # and without it nothing was reserved, nothing raised
