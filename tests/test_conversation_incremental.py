@@ -503,6 +503,9 @@ def test_match_forward_compares_code_points_of_any_width():
             assert text_diff.match_forward(base, i, other, j, inside) == want
             assert text_diff.match_forward(base, i, other, j, limit) == want
             assert text_diff.match_forward(base, i, base, i, limit) == min(limit, len(base) - i)
+    if text_diff._native is not None:  # a negative offset is a caller's bug, said so
+        with pytest.raises(IndexError):
+            text_diff._native.common_prefix("abc", -1, "abc", 0, 3)
 
 
 @pytest.mark.parametrize("text", ["", "a", "ab" * 999, "\u00e9", "a" * 5000 + "\u00ff", "\u20ac" * 7,

@@ -1034,38 +1034,25 @@ def token_start(ids, token_len, checkpoints, int64_t stride, int64_t k):
         PyBuffer_Release(&bi)
 
 
-cdef inline Py_ssize_t _run_same(const void* a, int ka, const void* b, int kb, Py_ssize_t n) noexcept nogil:
-    """Elements a[0:n] and b[0:n] (code points of PEP 393 widths ka, kb) equal before the first
-    that differs (n when none does)."""
-    cdef Py_ssize_t k = 0, w
-    cdef const uint8_t* pa
-    cdef const uint8_t* pb
-    if ka == kb:
-        pa, pb = <const uint8_t*>a, <const uint8_t*>b
-        w = ka
-        while k + 64 <= n and memcmp(pa + k * w, pb + k * w, 64 * w) == 0:  # blocks, then elements
-            k += 64
-        if ka == 1:
-            while k < n and pa[k] == pb[k]:
-                k += 1
-        elif ka == 2:
-            while k < n and (<const uint16_t*>a)[k] == (<const uint16_t*>b)[k]:
-                k += 1
-        else:
-            while k < n and (<const uint32_t*>a)[k] == (<const uint32_t*>b)[k]:
-                k += 1
-        return k
-    while k < n and _cp(a, ka, k) == _cp(b, kb, k):
-        k += 1
-    return k
-
-
 cdef inline uint32_t _cp(const void* p, int kind, Py_ssize_t i) noexcept nogil:
     if kind == 1:
         return (<const uint8_t*>p)[i]
     if kind == 2:
         return (<const uint16_t*>p)[i]
     return (<const uint32_t*>p)[i]
+
+
+cdef inline Py_ssize_t _run_same(const void* a, int ka, const void* b, int kb, Py_ssize_t n) noexcept nogil:
+    """Elements a[0:n] and b[0:n] (code points of PEP 393 widths ka, kb) equal before the first
+    that differs (n when none does): 64-element blocks by memcmp where both widths agree, then
+    one element at a time."""
+    cdef Py_ssize_t k = 0
+    if ka == kb:
+        while k + 64 <= n and memcmp(<const uint8_t*>a + k * ka, <const uint8_t*>b + k * ka, 64 * ka) == 0:
+            k += 64
+    while k < n and _cp(a, ka, k) == _cp(b, kb, k):
+        k += 1
+    return k
 
 
 def common_prefix(str a, Py_ssize_t i, str b, Py_ssize_t j, Py_ssize_t limit):
