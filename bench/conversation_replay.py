@@ -45,6 +45,11 @@ included for every engine):
   ``append_messages([assistant, *results])``; token modes ``append_generated(sampled,
   message=assistant, then=results)`` (the parsed message: matching and the drift reference; the
   tool results in the same op, as an RL loop has them before it needs the next prompt); ``res.ids``.
+  With ``probe_in_background=True``, as the sidecar runs conversations: the first op that meets
+  a message kind the template's locality probe has not decided renders everything (timed) while
+  the probe runs on a background thread; the replay waits for that thread after the turn,
+  untimed, so the probe's 0.1-0.6 s of renders slow no timed call (a server pays them on a
+  spare core, or between ops under the GIL, in 1-5 ms slices).
 * ``toktier-nodrift`` (opt-in: ``--engines``): the same with ``track_drift=False`` (no drift
   reference kept: what a caller that never reads ``drift`` pays); the same IDs.
 * ``render+hf``: ``template.render(all messages, add_generation_prompt=True)`` then HF
@@ -91,6 +96,7 @@ the ``tito`` baseline's (two implementations of one TITO definition).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -498,12 +504,21 @@ class TokTierConv:
         if not track_drift:
             self.name = "toktier-nodrift"
         tok = ro.tokenizer if tokenizer is None else tokenizer
-        self.conv = cls(tok, ro.template, track_drift=track_drift, **ro.render_kwargs)
+        # as a server runs it: a new message kind's first op renders in full, its probe runs aside
+        # (a checkout from before 5 December 2026, measured with --ab, probes inline)
+        aside = {"probe_in_background": True} if "probe_in_background" in inspect.signature(cls).parameters else {}
+        self.conv = cls(tok, ro.template, track_drift=track_drift, **aside, **ro.render_kwargs)
         self.last = None
 
     def start(self, messages: list[dict]) -> np.ndarray:
         self.last = self.conv.append_messages(messages)
         return self.last.ids
+
+    def settle(self) -> None:
+        """Wait for the conversation's background locality probes, if any (untimed)."""
+        settle = getattr(self.conv.locality, "settle", None)
+        if settle is not None:
+            settle()
 
     def turn(self, step: Step) -> np.ndarray:
         if step.sampled is None:
@@ -616,6 +631,9 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
             ids = e.turn(step)
             dt = time.perf_counter() - t0
             times[e.name].setdefault(bucket, []).append(dt)
+            settle = getattr(e, "settle", None)
+            if settle is not None:  # a background locality probe finishes here, untimed (see TokTierConv)
+                settle()
             if ids is not None:
                 got[e.name] = ids
         if check or exact != ref_engine.name:

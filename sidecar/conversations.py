@@ -33,6 +33,9 @@ hook) and the handlers registered in :data:`toktier_sidecar.service.HANDLERS`.  
   else in the ``repair`` pool; opens and forks in ``bulk``), ``done``/``failed`` on the loop
   (unpin, re-charge the budget, reply).  Ops on one conversation run in its lane, in
   arrival order.  A re-sent op with the same ``op_key`` gets its first result again.
+  Conversations probe their template's locality in the background (``probe_in_background``):
+  the first op meeting a new message kind or tool list renders everything instead of waiting
+  0.1-0.6 s for the probe.
 
 Messages arrive as msgpack maps decoded by msgspec (``list[dict[str, Any]]``); here they are
 checked to be JSON-able, as a chat template expects, and refused as ``bad_request`` naming
@@ -425,7 +428,7 @@ class Conversations:
         template = self.template(tok, req.template)
         conv = toktier.Conversation(tok, template, match=req.match, add_generation_prompt=req.add_generation_prompt,
                                     stop_texts=tuple(req.stop_texts), full_path=svc.full_path,
-                                    track_drift=req.track_drift, **req.template_kwargs)
+                                    track_drift=req.track_drift, probe_in_background=True, **req.template_kwargs)
         slot = ConvSlot(conv, svc.pool.session_arena(), tok, opts, self, overhead=_overhead(key))
         try:
             out = self.publish(slot, conv.ids, 0, 0, None, 0, conv.num_chars, conv.text_nbytes)
@@ -470,7 +473,7 @@ class Conversations:
         ref = cast("tuple[str, str]", tuple(rec.template_ref))
         with self._lock:
             compiled = self._templates.get(ref)  # reused when it is the recorded template exactly
-        conv = rec.restore(tok, template=compiled, full_path=svc.full_path)
+        conv = rec.restore(tok, template=compiled, full_path=svc.full_path, probe_in_background=True)
         kwargs = msgspec.msgpack.encode(dict(sorted(rec.render_kwargs.items())))
         opts = ConvOptions(tok.hash, ref, kwargs, rec.match, rec.add_generation_prompt, tuple(rec.stop_texts),
                            rec.track_drift)

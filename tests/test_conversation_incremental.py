@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -307,6 +308,74 @@ def test_crafted_nonlocal_templates_fall_back(name, tally):
             assert conv.render_stats.windowed == 0, name
         else:
             assert conv.render_stats.windowed > 0, name
+
+
+# Background probes: a template source no other test renders (its own `render_window.locality` key).
+def _fresh_template(tag: str) -> chat.ChatTemplate:
+    return chat.ChatTemplate("{# " + tag + " #}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}<assistant>{% endif %}", {"eos_token": "<|im_end|>"},
+                             name=tag)
+
+
+def test_background_probe_renders_everything_until_its_verdicts_are_in(monkeypatch, tally):
+    tok = get_tokenizer("qwen3")
+    conv = Conversation(tok, _fresh_template("background probe test"), probe_in_background=True)
+    locality = conv.locality
+    started, release, threads = threading.Event(), threading.Event(), []
+    plain = render_window.Locality._probe
+
+    def held(self, k, scheme=0, pause=None):  # the probe waits for the test: the op must not
+        threads.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(30)
+        return plain(self, k, scheme, pause)
+
+    monkeypatch.setattr(render_window.Locality, "_probe", held)
+    history = _crafted_history()
+
+    def check(r):
+        assert r.ids.tolist() == tok.encode(full_text(conv)).tolist()
+        tally(tok, "ids", 1)
+
+    check(conv.append_messages(history[:4]))
+    r = conv.append_messages(history[4:5])  # a user turn: its kind is undecided, the prober holds
+    check(r)
+    assert started.wait(30)
+    assert not r.windowed and conv.render_stats.windowed == 0 and conv.render_stats.full == 2
+    assert locality.local == frozenset() and not locality.settle(timeout=0.05)
+    assert threads == ["toktier-locality-probe"]
+    release.set()
+    assert locality.settle(timeout=60)
+    assert KINDS["user"] in locality.local
+    for i in range(5, len(history)):  # every kind gets its verdict in the background, then windows serve
+        check(conv.append_messages(history[i:i + 1]))
+        assert locality.settle(timeout=60)
+    windowed = conv.render_stats.windowed
+    check(conv.append_messages([{"role": "user", "content": "again"}, {"role": "assistant", "content": "sure"}]))
+    assert conv.render_stats.windowed == windowed + 1
+    assert set(threads) == {"toktier-locality-probe"} and locality.background_errors == 0
+    # forks keep the setting; a replay probes inline, then takes the setting it is given
+    assert conv.fork().probe_in_background
+    assert Conversation.replay(tok, conv.state(), probe_in_background=True).probe_in_background
+
+
+def test_background_probe_that_raises_leaves_the_kind_unwindowed(monkeypatch, tally):
+    tok = get_tokenizer("qwen3")
+    conv = Conversation(tok, _fresh_template("background probe failure test"), probe_in_background=True)
+
+    def broken(self, k, scheme=0, pause=None):
+        raise RuntimeError("a template bug the renders never showed")
+
+    monkeypatch.setattr(render_window.Locality, "_probe", broken)
+    history = _crafted_history()
+    for i in range(0, len(history), 2):
+        r = conv.append_messages(history[i:i + 2])
+        assert r.ids.tolist() == tok.encode(full_text(conv)).tolist()
+        tally(tok, "ids", 1)
+        assert conv.locality.settle(timeout=60)
+    assert conv.render_stats.windowed == 0
+    assert conv.locality.background_errors > 0 and conv.locality.local == frozenset()
+    assert KINDS["tool"] in conv.locality.nonlocal_  # both head schemes decided: not local
 
 
 # --------------------------------------------------------------------------- 2: windowed = full

@@ -243,14 +243,20 @@ class Conversation:
     (token-in callers that do not need `drift` save its render and repair on every op); results
     then have ``drift=None`` and ``drift_tracked=False``.  `incremental=False`: every op renders
     all messages (the reference behaviour; the default renders appends through a window where the
-    template is checked local, `toktier.render_window`).  `render_kwargs` become template variables
-    and arguments (`tools=`, `documents=`, `enable_thinking=`, ...).  Not thread-safe.
+    template is checked local, `toktier.render_window`).  `probe_in_background=True`: the first op
+    that appends a message kind the template's locality probe has not decided yet (per template,
+    render arguments and setting: a new tool list is a new probe) renders everything, exactly, and
+    the probe (0.1-0.6 s of renders) runs on a background thread, which lets the GIL go between
+    its probe conversations; later ops use its verdicts (`locality.settle()` waits for them).  The
+    default probes on the op's own thread, as deterministic callers (tests, offline replays) want;
+    a server should not let one op wait for it.  `render_kwargs` become template variables and
+    arguments (`tools=`, `documents=`, `enable_thinking=`, ...).  Not thread-safe.
     """
 
     def __init__(self, tokenizer: FrozenTokenizer, template: ChatTemplate | str | None = None, *,
                  match: str = "strict", add_generation_prompt: bool = True, stop_texts: Sequence[str] = (),
                  full_path: FullPath | None = None, track_drift: bool = True, incremental: bool = True,
-                 **render_kwargs: Any) -> None:
+                 probe_in_background: bool = False, **render_kwargs: Any) -> None:
         reserved = _RESERVED & set(render_kwargs)
         if reserved:
             raise InvalidChatInput(f"{sorted(reserved)} cannot be conversation render arguments: messages come from "
@@ -262,6 +268,7 @@ class Conversation:
         self.add_generation_prompt = bool(add_generation_prompt)
         self.track_drift = bool(track_drift)
         self.incremental = bool(incremental)
+        self.probe_in_background = bool(probe_in_background)
         # A private copy: a caller changing its tools list later must not change renders mid-conversation.
         self.render_kwargs: Mapping[str, Any] = types.MappingProxyType(copy.deepcopy(render_kwargs))
         self.render_stats = RenderStats()
@@ -540,6 +547,7 @@ class Conversation:
         new.tokenizer, new.template, new.match = self.tokenizer, self.template, self.match
         new.add_generation_prompt, new.render_kwargs = self.add_generation_prompt, self.render_kwargs
         new.track_drift, new.incremental = self.track_drift, self.incremental
+        new.probe_in_background = self.probe_in_background
         new.render_stats = RenderStats()
         new._stop_texts, new._full_path, new._junction = self._stop_texts, self._full_path, self._junction
         new._fast_path, new._locality = self._fast_path, self._locality
@@ -574,14 +582,15 @@ class Conversation:
 
     @classmethod
     def replay(cls, tokenizer: FrozenTokenizer, state: ConversationState, *,
-               full_path: FullPath | None = None) -> "Conversation":
+               full_path: FullPath | None = None, probe_in_background: bool = False) -> "Conversation":
         """A conversation equal to the one `state` was taken from: its messages appended and its
         runs pinned in order (each run with its recorded message), so its IDs, text, drift and
         messages are the same by the definition above (what led there, set_messages branches and
         rollbacks included, leaves nothing else behind).  One render and encode of the whole
         conversation, plus one windowed op per run (with the messages up to the next run, `then`):
         a session start's cost, not a repair's.  The drift reference is built once at the end (one
-        full render and encode), not kept up to date op by op."""
+        full render and encode), not kept up to date op by op.  `probe_in_background`: the
+        conversation's setting after the replay (see the class)."""
         conv = cls(tokenizer, state.template, match=state.match, add_generation_prompt=state.add_generation_prompt,
                    stop_texts=state.stop_texts, full_path=full_path, track_drift=False,
                    incremental=state.incremental, **state.render_kwargs)
@@ -599,6 +608,8 @@ class Conversation:
         if at < len(messages):
             conv.append_messages(messages[at:])
         conv.track_drift = state.track_drift
+        # (the replay itself probes inline: one op per run, each a full render while a probe waited)
+        conv.probe_in_background = bool(probe_in_background)
         if conv.track_drift and conv._runs:  # as append_generated keeps it: the exact full render of the messages
             gp = conv.add_generation_prompt
             text = conv._render(conv._messages, gp)
@@ -726,7 +737,7 @@ class Conversation:
             return got
         # The scheme that served last first: a template whose state only the state head fixes
         # (DeepSeek V3) then does not fail the plain head's checks on every op.
-        for scheme in self.locality.schemes_for(added, self._scheme):
+        for scheme in self.locality.schemes_for(added, self._scheme, wait=not self.probe_in_background):
             got = render_window.append(self._render, old, added, stored, end, gp, gp, cut, self._memo, self._roles,
                                        scheme)
             if got is not None:

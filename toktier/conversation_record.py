@@ -159,14 +159,15 @@ class ConversationRecord(msgspec.Struct, frozen=True, kw_only=True):
                                  tuple(self.stop_texts), self.track_drift, self.incremental, tuple(self.messages), runs)
 
     def restore(self, tok: FrozenTokenizer, *, template: Renderer | None = None,
-                full_path: FullPath | None = None) -> Conversation:
+                full_path: FullPath | None = None, probe_in_background: bool = False) -> Conversation:
         """The conversation again (`Conversation.replay`), its IDs checked against the recorded
         count and CRC-32 (:class:`ReplayMismatch` when they differ); ForeignRecord when ``tok``
         is not the recorded tokenizer."""
         if tok.hash != self.tokenizer_hash:
             raise ForeignRecord(f"record is for tokenizer {self.tokenizer_name} ({self.tokenizer_hash[:12]}), "
                                 f"not {tok.name} ({tok.hash[:12]})")
-        conv = Conversation.replay(tok, self.state(template), full_path=full_path)
+        conv = Conversation.replay(tok, self.state(template), full_path=full_path,
+                                   probe_in_background=probe_in_background)
         ids = np.ascontiguousarray(conv.ids, dtype="<u4")
         if len(ids) != self.count or zlib.crc32(ids.data) != self.ids_crc:
             raise ReplayMismatch(f"conversation {self.conversation[:64]!r} replays to {len(ids)} IDs that differ from "

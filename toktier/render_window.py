@@ -84,6 +84,7 @@ import hashlib
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -530,8 +531,14 @@ class Locality:
     def __init__(self, template: Renderer, render_kwargs: Mapping[str, Any], gp: bool) -> None:
         self.template, self.render_kwargs, self.gp = template, dict(render_kwargs), gp
         self._verdicts: dict[tuple[Kind, int], bool] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while a verdict is probed (one probe of a key at a time)
         self.probes = 0  # windowed appends tried so far
+        # Background probes (`schemes_for(wait=False)`): the keys asked for and not decided yet,
+        # in order, and the thread working through them (None when idle).  `_queued` guards both.
+        self._queue: collections.deque[tuple[Kind, int]] = collections.deque()
+        self._queued = threading.Condition(threading.Lock())
+        self._worker: threading.Thread | None = None
+        self.background_errors = 0  # background probes that raised (their verdict: not local)
 
     @property
     def local(self) -> frozenset[Kind]:
@@ -553,24 +560,85 @@ class Locality:
         whole append), or None."""
         return next(self.schemes_for(messages), None)
 
-    def schemes_for(self, messages: Sequence[Mapping[str, Any]], prefer: int = 0) -> Iterator[int]:
+    def schemes_for(self, messages: Sequence[Mapping[str, Any]], prefer: int = 0, *,
+                    wait: bool = True) -> Iterator[int]:
         """The head schemes under which every message's kind is local, `prefer` first; lazily:
         a scheme is probed only when the caller asks for the next one (the state head only once
-        the plain one did not serve)."""
+        the plain one did not serve).
+
+        `wait=False`: nothing is probed on the caller's thread.  A scheme with an undecided kind
+        (and none known to fail) ends the search: its undecided kinds are handed to a background
+        thread (`settle` waits for it) and no later scheme is tried meanwhile, so the caller
+        renders everything (exact) until the verdicts are in.  A probe costs 0.1-0.6 s of
+        renders; in a server it would stall the first op of every new message kind or tool list."""
         kinds = list(dict.fromkeys(kind(m) for m in messages))
         for scheme in sorted(SCHEMES, key=lambda s: s != prefer):
             # Kinds already known to fail first: a scheme that cannot serve is rejected unprobed.
             kinds.sort(key=lambda k: self._verdicts.get((k, scheme)) is not False)
-            if all(self.verdict(k, scheme) for k in kinds):
-                yield scheme
+            if wait:
+                if all(self.verdict(k, scheme) for k in kinds):
+                    yield scheme
+                continue
+            known = [self._verdicts.get((k, scheme)) for k in kinds]
+            if False in known:
+                continue
+            if None in known:
+                self._probe_later([(k, scheme) for k, ok in zip(kinds, known) if ok is None])
+                return
+            yield scheme
 
-    def verdict(self, k: Kind, scheme: int = 0) -> bool:
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until the background probes asked for so far are decided; False on timeout."""
+        with self._queued:
+            return self._queued.wait_for(lambda: self._worker is None, timeout)
+
+    def _probe_later(self, keys: list[tuple[Kind, int]]) -> None:
+        with self._queued:
+            for key in keys:
+                if key not in self._queue:
+                    self._queue.append(key)
+            if self._worker is None and self._queue:
+                self._worker = threading.Thread(target=self._drain, name="toktier-locality-probe", daemon=True)
+                self._worker.start()
+
+    def _drain(self) -> None:
+        """The background prober: decides the queued keys in order, then ends (`_worker` is reset
+        in the same lock hold that finds the queue empty, so no key is ever left unserved)."""
+        key = None
+        try:
+            while True:
+                with self._queued:
+                    if key is not None:
+                        self._queue.popleft()
+                    if not self._queue:
+                        self._worker = None
+                        self._queued.notify_all()
+                        return
+                    key = self._queue[0]
+                try:
+                    # The GIL is let go between probe conversations: a serving thread's op waits
+                    # at most one probe conversation's renders (~1-5 ms), not the whole probe.
+                    self.verdict(*key, pause=_let_others_run)
+                except Exception:  # a template raising what renders never do: not local, counted
+                    with self._lock:
+                        self._verdicts.setdefault(key, False)
+                    self.background_errors += 1
+        except BaseException:
+            with self._queued:
+                self._queue.clear()
+                self._worker = None
+                self._queued.notify_all()
+            raise
+
+    def verdict(self, k: Kind, scheme: int = 0, *, pause: Callable[[], None] | None = None) -> bool:
+        """Whether kind `k` appends exactly through windows of head `scheme` (probed on first use;
+        `pause` is called between probe conversations)."""
         ok = self._verdicts.get((k, scheme))
         if ok is None:
             with self._lock:
                 ok = self._verdicts.get((k, scheme))
                 if ok is None:
-                    ok = self._verdicts[(k, scheme)] = self._probe(k, scheme)
+                    ok = self._verdicts[(k, scheme)] = self._probe(k, scheme, pause)
         return ok
 
     def probe_all(self) -> "Locality":
@@ -579,7 +647,7 @@ class Locality:
                 self.verdict(k, scheme)
         return self
 
-    def _probe(self, k: Kind, scheme: int = 0) -> bool:
+    def _probe(self, k: Kind, scheme: int = 0, pause: Callable[[], None] | None = None) -> bool:
         """Every representative of kind `k` appended at every split of every probe conversation
         (windows of head `scheme`): True when it passed the checks at least once and was exact
         every time it did."""
@@ -598,6 +666,8 @@ class Locality:
         representatives = [m for m in catalog if kind(m) == k]
         gp, seen = self.gp, False
         for probe, first in conversations:
+            if pause is not None:
+                pause()
             # Windows smaller than the history only: a window that is all of it renders exactly.
             for j in range(first, len(probe) + 1):
                 old = probe[:j]
@@ -668,6 +738,10 @@ class Locality:
             return True
         self.probes += 1
         return stored[:got.start] + got.text == full[at_full:] and got.end == full_end - at_full
+
+
+def _let_others_run() -> None:
+    time.sleep(0)  # releases the GIL: a thread waiting for it takes it now
 
 
 _CACHE: collections.OrderedDict[str, Locality] = collections.OrderedDict()
