@@ -798,6 +798,25 @@ def test_compiled_cuts_equal_the_python_search_on_adversarial_text(text, chunk):
         assert tok.native.cuts(text, chunk) == chunk_cuts(tok, text, chunk), name
 
 
+def test_an_engine_makes_the_caches_a_parallel_op_takes_ahead_of_need():
+    # A new piece cache costs the kernel 11-15 ms of page zeroing here: made on a thread at load,
+    # not by the first op that needs one more (a 50K-character window edit read 17-19 ms).
+    import time
+
+    from toktier.native import PREWARM_CACHES
+
+    tok = toktier.load_tokenizer("llama3")  # a new load: its own engine and pool
+    want = min(tok.native.chunk_threads, PREWARM_CACHES)
+    deadline = time.monotonic() + 60
+    while len(tok.native.pool) < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(tok.native.pool) >= want
+    pool = _core.CachePool(3)
+    assert pool.fill(5) == 3 and len(pool) == 3  # never past the limit
+    assert pool.fill(2) == 0 and len(pool) == 3
+    assert len({id(pool.take()) for _ in range(3)}) == 3 and len(pool) == 0
+
+
 def test_chunked_encodes_work_in_a_forked_child():
     # A child of fork() has none of its parent's helper threads (and may hold the pool's lock
     # as the fork found it): the engine makes the child a pool of its own.
