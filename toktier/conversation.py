@@ -246,8 +246,8 @@ class Conversation:
     template is checked local, `toktier.render_window`).  `probe_in_background=True`: the first op
     that appends a message kind the template's locality probe has not decided yet (per template,
     render arguments and setting: a new tool list is a new probe) renders everything, exactly, and
-    the probe (0.1-0.6 s of renders) runs on a background thread, which lets the GIL go between
-    its probe conversations; later ops use its verdicts (`locality.settle()` waits for them).  The
+    the probe (0.1-0.6 s of renders) runs on a background thread, which lets the GIL go before
+    each split it tries (~0.4 ms apart); later ops use its verdicts (`locality.settle()` waits).  The
     default probes on the op's own thread, as deterministic callers (tests, offline replays) want;
     a server should not let one op wait for it.  `render_kwargs` become template variables and
     arguments (`tools=`, `documents=`, `enable_thinking=`, ...).  Not thread-safe.
