@@ -139,8 +139,8 @@ cdef class PieceCacheBox:
 
     def __cinit__(self):
         # Without the GIL: a new cache's 6 MiB of fresh pages cost the kernel 11-15 ms of zeroing
-        # on the VMs here, which a thread filling the pool (`NativeEngine.prewarm`) may then pay
-        # while others run Python.
+        # on the VMs here, which a thread filling the pool (`CachePool.fill`, started by
+        # `NativeEngine.__init__`) may then pay while others run Python.
         cdef PieceCache* c
         with nogil:
             c = new PieceCache()
