@@ -813,7 +813,7 @@ def test_an_engine_makes_the_caches_a_parallel_op_takes_ahead_of_need():
     assert len(tok.native.pool) >= want
     pool = _core.CachePool(3)
     assert pool.fill(5) == 3 and len(pool) == 3  # never past the limit
-    assert pool.fill(2) == 0 and len(pool) == 3
+    assert pool.fill(2) == 0 and pool.fill(-1) == 0 and len(pool) == 3  # nothing to make
     assert len({id(pool.take()) for _ in range(3)}) == 3 and len(pool) == 0
 
 
