@@ -552,6 +552,34 @@ def test_the_one_call_append_commits_exactly_or_writes_nothing(tally):
         tally(tok, "session", 1)
 
 
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_the_one_call_append_writes_the_utf8_of_every_str_width(width, tally):
+    # The one-call append converts a non-ASCII str to UTF-8 itself (in the thread's scratch, not
+    # through CPython's cached copy): Latin-1 (1 byte a character), BMP (2) and astral (4) strs,
+    # ASCII runs of every length around the wide characters (the converter takes four ASCII units
+    # at a time), give the reference's bytes and IDs; a lone surrogate anywhere is refused with
+    # the session unchanged.
+    wide = {1: "\u00e9\u00ff", 2: "\u00e9\u4e2d\u2019", 4: "\u00e9\u4e2d\U0001f600"}[width]
+    tok = get_tokenizer("llama3")
+    text = large_text(6_000, seed=9, kind="english")
+    s = toktier.Session(tok, text)
+    deltas = [wide[i % len(wide)] + " word" * (i % 4) + "x" * i + wide for i in range(9)]
+    deltas.append(" ".join(large_text(3_000, seed=4, kind="english").split()[:300]) + wide)
+    for delta in deltas:
+        assert max(map(ord, delta)) >= {1: 0x80, 2: 0x100, 4: 0x10000}[width]
+        res = s.append(delta)
+        text += delta
+        assert bytes(s._text) == text.encode("utf-8")
+        assert np.array_equal(res.ids, tok.engine.encode(text))
+        tally(tok, "session", 1)
+    assert s.stats.lane >= len(deltas) - 2, s.stats  # (served by the one-call path, not only the general one)
+    for at in (0, 3, 5):
+        bad = (wide * 2)[:at] + "\ud800" + wide + " tail"
+        with pytest.raises(toktier.errors.InvalidText):
+            s.append(bad)
+        assert bytes(s._text) == text.encode("utf-8") and np.array_equal(s.ids, tok.engine.encode(text))
+
+
 def test_session_appends_count_each_op_once_whichever_path_serves_them(tally):
     # The compiled append, its declines (general path without a second lane try), buffer growth,
     # long appends (the chunked lane) and non-str input: one op each, every result exact.

@@ -20,7 +20,6 @@ import numpy as np
 
 
 cdef extern from "Python.h":
-    const char* PyUnicode_AsUTF8AndSize(object, Py_ssize_t*) except NULL
     char* PyByteArray_AS_STRING(object)
     Py_ssize_t PyByteArray_GET_SIZE(object)
     int PyByteArray_Resize(object, Py_ssize_t) except -1
@@ -734,7 +733,8 @@ cdef extern from "repair.hpp" namespace "ttn":
     cdef cppclass LaneResult:
         int status
         int64_t k1, k2, q, q2, fresh
-        vector[uint32_t] mid
+        const uint32_t* mid
+        int64_t n_mid
 
     cdef cppclass Lane
 
@@ -750,6 +750,8 @@ cdef extern from "repair.hpp" namespace "ttn":
         int64_t n, cap
         uint32_t* cp
         int64_t n_cp, cp_cap, stride
+
+    const uint8_t* utf8_of(const void* data, int kind, int64_t n, int64_t& n_out) except + nogil
 
     cdef cppclass Lane:
         const Engine* eng
@@ -867,7 +869,7 @@ cdef class RepairLane:
             self.lane.edit(&T[0], n_old, s, e, d, n_data, C, wl, wr, cache.c[0], no_more, res)
         if res.status != 0:
             return res.status, 0, 0, 0, 0, res.fresh, None
-        return 0, res.k1, res.k2, res.q, res.q2, res.fresh, _u32(res.mid.data(), res.mid.size())
+        return 0, res.k1, res.k2, res.q, res.q2, res.fresh, _u32(res.mid, res.n_mid)
 
     def edit_commit(self, text, int64_t s, int64_t e, bytes data, ids_buffer, int64_t n, cp_buffer, int64_t n_cp,
                     int64_t stride, int64_t wl, int64_t wr, list caches):
@@ -934,7 +936,7 @@ cdef class RepairLane:
             return res.status, 0, 0, 0, 0, res.fresh, 0, n, n_cp, None
         if done:
             return 0, res.k1, res.k2, res.q, res.q2, res.fresh, first, B.n, B.n_cp, None
-        return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid.data(), res.mid.size())
+        return 0, res.k1, res.k2, res.q, res.q2, res.fresh, 0, n, n_cp, _u32(res.mid, res.n_mid)
 
     def append_commit(self, CachePool pool, bytearray text, str data, ids_buffer, int64_t n, cp_buffer,
                       int64_t n_cp, int64_t stride, int64_t window, int64_t max_data_bytes):
@@ -950,14 +952,13 @@ cdef class RepairLane:
         The UTF-8 of an ASCII str is its own buffer (PEP 393), so an ASCII append copies nothing
         before the splice."""
         cdef const char* d
-        cdef Py_ssize_t nd
+        cdef int64_t nd
         if PyUnicode_IS_ASCII(data):
             d = <const char*>PyUnicode_DATA(data)
             nd = PyUnicode_GET_LENGTH(data)
-        else:
-            try:
-                d = PyUnicode_AsUTF8AndSize(data, &nd)
-            except UnicodeEncodeError:
+        else:  # into this thread's scratch (valid through the edit and commit below)
+            d = <const char*>utf8_of(PyUnicode_DATA(data), PyUnicode_KIND(data), PyUnicode_GET_LENGTH(data), nd)
+            if d == NULL:
                 return None  # a lone surrogate: the general path raises InvalidText for it
         if nd == 0 or nd >= max_data_bytes:
             return None
@@ -996,7 +997,7 @@ cdef class RepairLane:
                     PyBuffer_Release(&bt)
                 if res.status != 0:
                     return res.status, res.fresh
-                lm = res.mid.size()
+                lm = res.n_mid
                 new_n = n - (res.k2 - res.k1) + lm
                 new_cp = (new_n + stride - 1) // stride
                 if new_n > bi.len // 4 or new_cp > bc.len // 4:

@@ -347,6 +347,7 @@ struct NoInit : std::allocator<T> {
 };
 using U32Scratch = std::vector<uint32_t, NoInit<uint32_t>>;
 using U64Scratch = std::vector<uint64_t, NoInit<uint64_t>>;
+using U8Scratch = std::vector<uint8_t, NoInit<uint8_t>>;
 
 // -- piece cache (lent to one call at a time by the Python side, `NativeEngine._take`) ---------
 // One 64-byte line per entry, the piece's bytes and ids inline, so a lookup costs one cache
@@ -403,6 +404,7 @@ struct PieceCache {
   // fresh vector per call was a malloc and a zero-filling resize into cold memory per window.
   U64Scratch batch_hashes;
   U32Scratch batch_ids;
+  U8Scratch piece_utf8;  // a converted text's pieces as UTF-8 (`encode`'s log), kept the same way
 
   PieceCache() : slots(CAP) {
     clear();
@@ -1901,17 +1903,21 @@ class Engine {
     out.ids.reserve(out.ids.size() + size_t(n / 3) + 16);
     if (out.want_starts) out.starts.reserve(out.ids.capacity());
     const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
-    // A batch's pieces as UTF-8, for texts converted piece by piece: made on first use, since a
-    // zero-filled 4 KB per call was ~60 cache lines written by every window the lane encodes
-    // (an ASCII window's segments are read in place).
-    std::unique_ptr<uint8_t[]> pbuf;
-    size_t pcap = 0;
-    auto grow_pbuf = [&](size_t need, size_t used) {  // room for `need` bytes, keeping the first `used`
+    // A batch's pieces as UTF-8, for texts converted piece by piece, in the lent cache's buffer
+    // (an ASCII window's segments are read in place).  Its memory is kept between calls: a fresh
+    // zero-filled 4 KB per call was ~60 cache lines written by every window the lane encodes,
+    // and an allocation that a busy process's fragmented heap made cost microseconds.  Nothing
+    // reads its bytes past what a conversion wrote (pieces read in place are followed by
+    // arbitrary text too), so it is not zeroed.
+    struct PieceBytes {
+      U8Scratch& v;
+      uint8_t* get() const { return v.data(); }
+    } pbuf{cache.piece_utf8};
+    size_t pcap = cache.piece_utf8.size();
+    auto grow_pbuf = [&](size_t need, size_t) {  // room for `need` bytes (a resize keeps them all)
       if (need <= pcap) return;
       pcap = std::max({need, 2 * pcap, size_t(4096)});
-      std::unique_ptr<uint8_t[]> bigger(new uint8_t[pcap]());
-      if (used) std::memcpy(bigger.get(), pbuf.get(), used);
-      pbuf = std::move(bigger);
+      cache.piece_utf8.resize(pcap);
     };
     PieceBatch batch;  // (byte offset in the segment buffer, length)
     auto& hs = cache.batch_hashes;
@@ -2036,6 +2042,7 @@ class Engine {
     // the segments counted their bytes as they converted them: reading the whole text again
     // afterwards (`utf8_length`) was ~6% of a 1M-character chunk of a 2-byte str
     if (utf8_len) *utf8_len = bytes_to(n);
+    if (cache.piece_utf8.size() > (size_t(1) << 20)) U8Scratch().swap(cache.piece_utf8);  // (a rare long batch)
     return OK;
   }
 

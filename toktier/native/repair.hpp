@@ -61,8 +61,19 @@ struct LaneResult {
   int64_t q = 0;        // byte position of the left cut (new text)
   int64_t q2 = 0;       // byte position of the right cut (new text)
   int64_t fresh = 0;    // tokens encoded in the window
-  std::vector<uint32_t> mid;  // fresh tokens from the cut to the end
+  // Fresh tokens from the cut to the end: a view into the calling thread's `Scratch`, valid until
+  // that thread's next `Lane::edit` (no copy, no allocation per op: a busy process's fragmented
+  // heap made each ~15 KB allocation here cost microseconds).
+  const uint32_t* mid = nullptr;
+  int64_t n_mid = 0;
 };
+
+// Capacity for `n` in a kept scratch vector, with half again to spare: windows of about one size
+// (an agent's appends) then stop reallocating at each new largest one.
+template <class V>
+inline void reserve_slack(V& v, size_t n) {
+  if (v.capacity() < n) v.reserve(n + n / 2);
+}
 
 using U16Scratch = std::vector<uint16_t, NoInit<uint16_t>>;
 
@@ -96,6 +107,7 @@ static inline bool all_ascii(const uint8_t* b, int64_t n) {
 // bytes are copied without the per-character decode (most windows are mostly ASCII).
 template <class T, class V>
 static inline int decode_utf8(const uint8_t* b, int64_t n, V& out) {
+  reserve_slack(out, size_t(n));
   out.resize(size_t(n));
   T* cp = out.data();
   int64_t i = 0, m = 0;
@@ -166,6 +178,9 @@ static inline uint32_t utf8_before(const uint8_t* b, int64_t i) {
   return utf8_at(b, a);
 }
 
+// An agreeing run of cached and fresh tokens (`Lane::runs_of`).
+struct LaneRun { int64_t c0, f0, len; };
+
 // One thread's scratch buffers for `Lane::edit` (windows, their decode, the engine's output):
 // kept between calls so big appends reuse memory already paged in.
 struct Scratch {
@@ -175,6 +190,9 @@ struct Scratch {
   Output out;
   std::vector<Output> chunk_outs;  // a chunked window's per-chunk tokens (`encode_window`)
   std::vector<int64_t> chunk_bytes;
+  std::vector<int64_t> cut_starts;  // cached token starts beside the change (`Lane::edit`'s sides)
+  std::vector<LaneRun> runs;
+  std::vector<uint8_t, NoInit<uint8_t>> utf8;  // an append's UTF-8 (`utf8_of`)
   static Scratch& mine() {
     thread_local Scratch s;
     return s;
@@ -184,6 +202,8 @@ struct Scratch {
 // Gives a scratch buffer's memory back after a window larger than usual: each thread that ever
 // served a window keeps at most ~KEEP_BYTES per buffer (a 400K-character window's buffers, ~8 MB
 // in all), outside the sessions' memory budget; a bigger window pays its page faults again.
+// The fresh tokens (`out.ids`) are what the op's `LaneResult::mid` points into: they are trimmed
+// when the thread's next edit starts, not when this one ends.
 struct ScratchTrim {
   Scratch& s;
   static constexpr size_t KEEP_BYTES = size_t(4) << 20;
@@ -191,14 +211,15 @@ struct ScratchTrim {
   static void trim(V& v) {
     if (v.capacity() * sizeof(typename V::value_type) > KEEP_BYTES) V().swap(v);
   }
+  explicit ScratchTrim(Scratch& sc) : s(sc) { trim(s.out.ids); }
   ~ScratchTrim() {
+    trim(s.cut_starts);
     trim(s.win);
     trim(s.buf_new);
     trim(s.buf_old);
     trim(s.chars.c16);
     trim(s.chars.c32);
     trim(s.starts);
-    trim(s.out.ids);
     trim(s.out.starts);
     for (Output& o : s.chunk_outs) {
       trim(o.ids);
@@ -206,6 +227,59 @@ struct ScratchTrim {
     }
   }
 };
+
+// The UTF-8 of `s[0, n)` (a str's code units, T of 1, 2 or 4 bytes) into `out`, which has room for
+// 4 bytes a unit; -1 at a surrogate (a str may hold one; UTF-8 cannot).  Units below 0x80 go
+// four at a time while they last (most appended text is ASCII even in a 2-byte str).
+template <class T>
+int64_t utf8_encode(const T* s, int64_t n, uint8_t* out) {
+  uint8_t* o = out;
+  int64_t i = 0;
+  while (i < n) {
+    if (i + 4 <= n && (s[i] | s[i + 1] | s[i + 2] | s[i + 3]) < 0x80) {
+      o[0] = uint8_t(s[i]);
+      o[1] = uint8_t(s[i + 1]);
+      o[2] = uint8_t(s[i + 2]);
+      o[3] = uint8_t(s[i + 3]);
+      o += 4;
+      i += 4;
+      continue;
+    }
+    const uint32_t c = uint32_t(s[i++]);
+    if (c < 0x80) {
+      *o++ = uint8_t(c);
+    } else if (c < 0x800) {
+      *o++ = uint8_t(0xC0 | (c >> 6));
+      *o++ = uint8_t(0x80 | (c & 0x3F));
+    } else if (c < 0x10000) {
+      if (c >= 0xD800 && c < 0xE000) return -1;
+      *o++ = uint8_t(0xE0 | (c >> 12));
+      *o++ = uint8_t(0x80 | ((c >> 6) & 0x3F));
+      *o++ = uint8_t(0x80 | (c & 0x3F));
+    } else {
+      *o++ = uint8_t(0xF0 | (c >> 18));
+      *o++ = uint8_t(0x80 | ((c >> 12) & 0x3F));
+      *o++ = uint8_t(0x80 | ((c >> 6) & 0x3F));
+      *o++ = uint8_t(0x80 | (c & 0x3F));
+    }
+  }
+  return int64_t(o - out);
+}
+
+// The UTF-8 of a str's `n` code units of `kind` bytes each, in this thread's scratch: valid until
+// the thread's next call.  nullptr for a str holding a surrogate.  An append used CPython's own
+// conversion, which allocates a worst-case buffer and then the str's cached copy (two
+// allocations per op, and the copy stays with the caller's str).
+inline const uint8_t* utf8_of(const void* data, int kind, int64_t n, int64_t& n_out) {
+  auto& u = Scratch::mine().utf8;
+  if (u.capacity() > ScratchTrim::KEEP_BYTES && size_t(n) * 4 <= ScratchTrim::KEEP_BYTES)
+    std::vector<uint8_t, NoInit<uint8_t>>().swap(u);
+  if (u.size() < size_t(n) * 4) u.resize(size_t(n) * 4);
+  if (kind == 1) n_out = utf8_encode(static_cast<const uint8_t*>(data), n, u.data());
+  else if (kind == 2) n_out = utf8_encode(static_cast<const uint16_t*>(data), n, u.data());
+  else n_out = utf8_encode(static_cast<const uint32_t*>(data), n, u.data());
+  return n_out < 0 ? nullptr : u.data();
+}
 
 class Lane {
  public:
@@ -273,12 +347,13 @@ class Lane {
     }
   };
 
-  struct Run { int64_t c0, f0, len; };
+  using Run = LaneRun;
 
   // Agreeing runs of cached tokens k_lo + i (start cs[i], new coordinates) and fresh tokens
   // j (start fs[j] + p), both restricted to [lo, hi): maximal, consecutive on both sides.
   static void runs_of(const std::vector<int64_t>& cs, const uint32_t* cids, const int64_t* fs, int64_t nf,
                       const std::vector<uint32_t>& fresh, int64_t j0, int64_t p, std::vector<Run>& runs) {
+    runs.clear();
     int64_t i = 0, j = j0, li = -2, lj = -2;
     const int64_t nc = int64_t(cs.size());
     while (i < nc && j < nf) {
@@ -504,8 +579,9 @@ class Lane {
     // the window: new text [p, r + delta), in this thread's scratch buffers (reused: a fresh
     // allocation of a big window's buffers costs as much in page faults as encoding it)
     Scratch& sc = Scratch::mine();
-    ScratchTrim trim{sc};
+    ScratchTrim trim(sc);
     std::vector<uint8_t>& win = sc.win;
+    reserve_slack(win, size_t(s - p) + size_t(n_data) + size_t(r - e));
     win.assign(T + p, T + s);
     win.insert(win.end(), data, data + n_data);
     win.insert(win.end(), T + e, T + r);
@@ -529,6 +605,7 @@ class Lane {
     buf_old.clear();
     if (!lit_bytes.empty()) {
       buf_old.assign(T + lo, T + hi_old);
+      reserve_slack(buf_new, size_t(s - lo) + size_t(n_data) + size_t(hi_old - e));
       buf_new.assign(T + lo, T + s);
       buf_new.insert(buf_new.end(), data, data + n_data);
       buf_new.insert(buf_new.end(), T + e, T + hi_old);
@@ -539,11 +616,12 @@ class Lane {
       int64_t k_lo, c0s, k_hi, c1s;
       C.locate(p, k_lo, c0s);
       C.locate(s, k_hi, c1s);
-      std::vector<int64_t> cs;
+      std::vector<int64_t>& cs = sc.cut_starts;
+      cs.clear();
       for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a); a += C.len(C.ids[x]); }
       int64_t nfl = 0;  // fresh tokens starting before s
       while (nfl < nf && fst[nfl] + p < s) ++nfl;
-      std::vector<Run> runs;
+      std::vector<Run>& runs = sc.runs;
       runs_of(cs, C.ids + k_lo, fst, nfl, fresh, 0, p, runs);
       bool found = false;
       for (const Run& rn : runs) {
@@ -572,11 +650,12 @@ class Lane {
       int64_t k_lo, c0s, k_hi, c1s;
       C.locate(e, k_lo, c0s);
       C.locate(r, k_hi, c1s);
-      std::vector<int64_t> cs;
+      std::vector<int64_t>& cs = sc.cut_starts;
+      cs.clear();
       for (int64_t x = k_lo, a = c0s; x < k_hi; ++x) { cs.push_back(a + delta); a += C.len(C.ids[x]); }
       int64_t j_lo = 0;
       while (j_lo < nf && fst[j_lo] + p < mid_end) ++j_lo;
-      std::vector<Run> runs;
+      std::vector<Run>& runs = sc.runs;
       runs_of(cs, C.ids + k_lo, fst, nf, fresh, j_lo, p, runs);
       bool found = false;
       for (const Run& rn : runs) {
@@ -602,7 +681,8 @@ class Lane {
     res.k2 = rk;
     res.q = lq;
     res.q2 = rq;
-    res.mid.assign(fresh.begin() + lj, fresh.begin() + rj);
+    res.mid = fresh.data() + lj;  // (out.ids: kept until this thread's next edit)
+    res.n_mid = rj - lj;
     return res.status = LANE_OK;
   }
 
@@ -616,12 +696,12 @@ class Lane {
 
   // First index where ids[0, n) with [k1, k2) replaced by `mid` differs from ids itself
   // (`session._first_difference`): the work follows the answer's distance from k1.
-  static int64_t first_difference(const uint32_t* ids, int64_t n, int64_t k1, int64_t k2,
-                                  const std::vector<uint32_t>& mid) {
-    const int64_t lm = int64_t(mid.size()), new_n = n - (k2 - k1) + lm, m = std::min(n, new_n);
+  static int64_t first_difference(const uint32_t* ids, int64_t n, int64_t k1, int64_t k2, const uint32_t* mid,
+                                  int64_t lm) {
+    const int64_t new_n = n - (k2 - k1) + lm, m = std::min(n, new_n);
     for (int64_t x = k1; x < m; ++x) {
       const int64_t i = x - k1;
-      const uint32_t now = i < lm ? mid[size_t(i)] : ids[k2 + (i - lm)];
+      const uint32_t now = i < lm ? mid[i] : ids[k2 + (i - lm)];
       if (now != ids[x]) return x;
     }
     return m;
@@ -632,14 +712,14 @@ class Lane {
   // small (the caller grows it and commits the slow way).  No allocation, so it cannot fail
   // half-way.
   bool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) const {
-    const int64_t k1 = res.k1, k2 = res.k2, lm = int64_t(res.mid.size());
+    const int64_t k1 = res.k1, k2 = res.k2, lm = res.n_mid;
     const int64_t new_n = b.n - (k2 - k1) + lm;
     const int64_t new_cp = (new_n + b.stride - 1) / b.stride;
     if (new_n > b.cap || new_cp > b.cp_cap) return false;
-    first_changed = first_difference(b.ids, b.n, k1, k2, res.mid);
+    first_changed = first_difference(b.ids, b.n, k1, k2, res.mid, lm);
     if (k2 < b.n && k1 + lm != k2)
       std::memmove(b.ids + k1 + lm, b.ids + k2, size_t(b.n - k2) * sizeof(uint32_t));
-    if (lm) std::memcpy(b.ids + k1, res.mid.data(), size_t(lm) * sizeof(uint32_t));
+    if (lm) std::memcpy(b.ids + k1, res.mid, size_t(lm) * sizeof(uint32_t));
     // checkpoints before k1 stay: the tokens before the splice did not move
     int64_t j = (k1 + b.stride - 1) / b.stride, x = k1, st = res.q;
     for (; j < new_cp; ++j) {
