@@ -1903,21 +1903,28 @@ class Engine {
     out.ids.reserve(out.ids.size() + size_t(n / 3) + 16);
     if (out.want_starts) out.starts.reserve(out.ids.capacity());
     const bool direct = ascii && sizeof(T) == 1;  // the str's own bytes are its UTF-8
-    // A batch's pieces as UTF-8, for texts converted piece by piece, in the lent cache's buffer
-    // (an ASCII window's segments are read in place).  Its memory is kept between calls: a fresh
-    // zero-filled 4 KB per call was ~60 cache lines written by every window the lane encodes,
-    // and an allocation that a busy process's fragmented heap made cost microseconds.  Nothing
-    // reads its bytes past what a conversion wrote (pieces read in place are followed by
-    // arbitrary text too), so it is not zeroed.
+    // A batch's pieces as UTF-8, for texts converted piece by piece (an ASCII window's segments
+    // are read in place): on the stack (hot in L1, as the lane's small windows want), then, for a
+    // batch that outgrows it, in the lent cache's kept buffer.  A heap buffer per call was a
+    // zero-filled 4 KB written by every window, and an allocation that a fragmented heap made
+    // cost microseconds; the cache's buffer alone was cold for small windows (multilingual
+    // 10-character appends 1.15x slower).  Nothing reads its bytes past what a conversion wrote
+    // (pieces read in place are followed by arbitrary text too), so neither is zeroed.
+    alignas(64) uint8_t small_pbuf[4096];
+    uint8_t* pb = small_pbuf;
     struct PieceBytes {
-      U8Scratch& v;
-      uint8_t* get() const { return v.data(); }
-    } pbuf{cache.piece_utf8};
-    size_t pcap = cache.piece_utf8.size();
-    auto grow_pbuf = [&](size_t need, size_t) {  // room for `need` bytes (a resize keeps them all)
+      uint8_t*& p;
+      uint8_t* get() const { return p; }
+    } pbuf{pb};
+    size_t pcap = sizeof small_pbuf;
+    auto grow_pbuf = [&](size_t need, size_t used) {  // room for `need` bytes, keeping the first `used`
       if (need <= pcap) return;
-      pcap = std::max({need, 2 * pcap, size_t(4096)});
-      cache.piece_utf8.resize(pcap);
+      U8Scratch& kept = cache.piece_utf8;
+      const bool on_stack = pb == small_pbuf;
+      if (kept.size() < std::max(need, 2 * pcap)) kept.resize(std::max(need, 2 * pcap));  // (keeps its bytes)
+      if (on_stack && used) std::memcpy(kept.data(), small_pbuf, used);
+      pb = kept.data();
+      pcap = kept.size();
     };
     PieceBatch batch;  // (byte offset in the segment buffer, length)
     auto& hs = cache.batch_hashes;
