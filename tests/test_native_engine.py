@@ -519,9 +519,9 @@ def test_the_one_call_append_commits_exactly_or_writes_nothing(tally):
         return lane.append_commit(nat.pool, s._text, delta, s._ids.buffer if ids_buffer is None else ids_buffer,
                                   s._ids.n, cps, n_cp, STRIDE, s.window, limit)
 
-    for delta in ("", "\ud800 lone", "x" * 100):  # empty, not encodable, at the length limit
+    for delta in ("", "\ud800 lone", "x" * 100, "\u00e9" * 100):  # empty, not encodable, at the length limit
         before = _lane_state(s)
-        assert call(delta, limit=100 if delta.startswith("x") else LANE_CHUNK_BYTES) is None
+        assert call(delta, limit=100 if len(delta) == 100 else LANE_CHUNK_BYTES) is None
         assert _same_state(_lane_state(s), before)
     idle = len(nat.pool)
     with pytest.raises(TypeError, match="uint32"):

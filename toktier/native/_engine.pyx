@@ -957,6 +957,8 @@ cdef class RepairLane:
             d = <const char*>PyUnicode_DATA(data)
             nd = PyUnicode_GET_LENGTH(data)
         else:  # into this thread's scratch (valid through the edit and commit below)
+            if PyUnicode_GET_LENGTH(data) >= max_data_bytes:
+                return None  # (its UTF-8 is no shorter: not converted only to be refused)
             d = <const char*>utf8_of(PyUnicode_DATA(data), PyUnicode_KIND(data), PyUnicode_GET_LENGTH(data), nd)
             if d == NULL:
                 return None  # a lone surrogate: the general path raises InvalidText for it
