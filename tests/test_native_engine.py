@@ -580,6 +580,26 @@ def test_the_one_call_append_writes_the_utf8_of_every_str_width(width, tally):
         assert bytes(s._text) == text.encode("utf-8") and np.array_equal(s.ids, tok.engine.encode(text))
 
 
+def test_an_id_buffer_with_room_does_not_hide_short_checkpoints(tally, monkeypatch):
+    # The ID and checkpoint buffers grow by their own sizes: with room for the IDs but not for
+    # the checkpoints, an append must still make room for both and commit in place (it declined
+    # twice, then spliced through Python's `_commit`, when only the IDs were checked).
+    commits = []
+    plain = toktier.Session._commit
+    monkeypatch.setattr(toktier.Session, "_commit", lambda self, *a: commits.append(1) or plain(self, *a))
+    tok = get_tokenizer("llama3")
+    text = large_text(4_000, seed=6, kind="code")
+    s = toktier.Session(tok, text)
+    s._ids.reserve(s._ids.n + 50_000)
+    assert len(s._ids.buffer) > s._ids.n + 5_000 and not s._starts.has_room_for(s._ids.n + 5_000)
+    delta = large_text(1_400, seed=7, kind="english")
+    lane = s.stats.lane
+    res = s.append(delta)
+    assert s.stats.lane == lane + 1 and not commits, (s.stats, commits)
+    assert np.array_equal(res.ids, tok.engine.encode(text + delta))
+    tally(tok, "session", 1)
+
+
 def test_session_appends_count_each_op_once_whichever_path_serves_them(tally):
     # The compiled append, its declines (general path without a second lane try), buffer growth,
     # long appends (the chunked lane) and non-str input: one op each, every result exact.

@@ -55,6 +55,10 @@ class SparseOffsets:
         """Checkpoints used after a compiled commit wrote them into `raw()`'s buffer."""
         self._cp.n = n_cp
 
+    def has_room_for(self, n_tokens: int) -> bool:
+        """Whether the checkpoint buffer holds `n_tokens` tokens' checkpoints without growing."""
+        return -(-n_tokens // STRIDE) <= len(self._cp.buffer)
+
     def reserve_for(self, n_tokens: int) -> None:
         """Allocate for `n_tokens` tokens now (so a later rebuild cannot fail half-way)."""
         self._cp.reserve(-(-n_tokens // STRIDE))

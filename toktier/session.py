@@ -935,9 +935,12 @@ class Session:
         return end - int(c_starts[c0]) > self.tokenizer.max_token_bytes
 
     def _room_for_tokens(self, n_tokens: int) -> None:
-        """Capacity for `n_tokens` tokens in the id and checkpoint buffers (1.5x growth)."""
+        """Capacity for `n_tokens` tokens in the id and checkpoint buffers (1.5x growth).  Each is
+        checked: they grow by their own sizes, so the ID buffer can have room where the checkpoints
+        do not (the compiled commit then declines, and the splice goes through `_commit`)."""
         if n_tokens > len(self._ids.buffer):
             self._ids.reserve(n_tokens)
+        if not self._starts.has_room_for(n_tokens):
             self._starts.reserve_for(n_tokens)
 
     def _finish_text(self, s: int, e: int, data: bytes, dchars: int) -> None:
