@@ -228,57 +228,27 @@ struct ScratchTrim {
   }
 };
 
-// The UTF-8 of `s[0, n)` (a str's code units, T of 1, 2 or 4 bytes) into `out`, which has room for
-// 4 bytes a unit; -1 at a surrogate (a str may hold one; UTF-8 cannot).  Units below 0x80 go
-// four at a time while they last (most appended text is ASCII even in a 2-byte str).
+// The UTF-8 of a str's `n` code units of `kind` bytes each (the engine's own converter, ASCII
+// eight at a time), in this thread's scratch: valid until the thread's next call.  nullptr for a
+// str holding a surrogate (no UTF-8).  An append used CPython's conversion, which allocates a
+// worst-case buffer and then the str's cached copy: two allocations per op, the copy kept with
+// the caller's str.
 template <class T>
-int64_t utf8_encode(const T* s, int64_t n, uint8_t* out) {
-  uint8_t* o = out;
-  int64_t i = 0;
-  while (i < n) {
-    if (i + 4 <= n && (s[i] | s[i + 1] | s[i + 2] | s[i + 3]) < 0x80) {
-      o[0] = uint8_t(s[i]);
-      o[1] = uint8_t(s[i + 1]);
-      o[2] = uint8_t(s[i + 2]);
-      o[3] = uint8_t(s[i + 3]);
-      o += 4;
-      i += 4;
-      continue;
-    }
-    const uint32_t c = uint32_t(s[i++]);
-    if (c < 0x80) {
-      *o++ = uint8_t(c);
-    } else if (c < 0x800) {
-      *o++ = uint8_t(0xC0 | (c >> 6));
-      *o++ = uint8_t(0x80 | (c & 0x3F));
-    } else if (c < 0x10000) {
-      if (c >= 0xD800 && c < 0xE000) return -1;
-      *o++ = uint8_t(0xE0 | (c >> 12));
-      *o++ = uint8_t(0x80 | ((c >> 6) & 0x3F));
-      *o++ = uint8_t(0x80 | (c & 0x3F));
-    } else {
-      *o++ = uint8_t(0xF0 | (c >> 18));
-      *o++ = uint8_t(0x80 | ((c >> 12) & 0x3F));
-      *o++ = uint8_t(0x80 | ((c >> 6) & 0x3F));
-      *o++ = uint8_t(0x80 | (c & 0x3F));
-    }
-  }
-  return int64_t(o - out);
+inline const uint8_t* utf8_of_units(const T* s, int64_t n, int64_t& n_out) {
+  if (Engine::has_surrogate(s, n)) return nullptr;
+  auto& u = Scratch::mine().utf8;
+  const size_t room = size_t(n) * 4 + 8;  // (+ `ascii8`'s 8-byte stores)
+  if (u.capacity() > ScratchTrim::KEEP_BYTES && room <= ScratchTrim::KEEP_BYTES)
+    std::vector<uint8_t, NoInit<uint8_t>>().swap(u);
+  if (u.size() < room) u.resize(room);
+  n_out = int64_t(Engine::put_utf8_run(s, 0, n, n, u.data()) - u.data());
+  return u.data();
 }
 
-// The UTF-8 of a str's `n` code units of `kind` bytes each, in this thread's scratch: valid until
-// the thread's next call.  nullptr for a str holding a surrogate.  An append used CPython's own
-// conversion, which allocates a worst-case buffer and then the str's cached copy (two
-// allocations per op, and the copy stays with the caller's str).
 inline const uint8_t* utf8_of(const void* data, int kind, int64_t n, int64_t& n_out) {
-  auto& u = Scratch::mine().utf8;
-  if (u.capacity() > ScratchTrim::KEEP_BYTES && size_t(n) * 4 <= ScratchTrim::KEEP_BYTES)
-    std::vector<uint8_t, NoInit<uint8_t>>().swap(u);
-  if (u.size() < size_t(n) * 4) u.resize(size_t(n) * 4);
-  if (kind == 1) n_out = utf8_encode(static_cast<const uint8_t*>(data), n, u.data());
-  else if (kind == 2) n_out = utf8_encode(static_cast<const uint16_t*>(data), n, u.data());
-  else n_out = utf8_encode(static_cast<const uint32_t*>(data), n, u.data());
-  return n_out < 0 ? nullptr : u.data();
+  if (kind == 1) return utf8_of_units(static_cast<const uint8_t*>(data), n, n_out);
+  if (kind == 2) return utf8_of_units(static_cast<const uint16_t*>(data), n, n_out);
+  return utf8_of_units(static_cast<const uint32_t*>(data), n, n_out);
 }
 
 class Lane {
