@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -458,6 +459,32 @@ def test_message_objects_and_none_keys():
 
     t = "{% for m in messages %}{{ m.role }}:{{ m.content is defined }};{% endfor %}"
     assert chat.render([Msg("user", "x"), Msg("assistant", None)], t) == "user:True;assistant:False;"
+
+
+def test_nested_message_objects_are_rebuilt_from_plain_types():
+    import types
+    from dataclasses import dataclass
+
+    @dataclass
+    class Function:
+        name: str
+        arguments: str
+
+    class Model:  # a pydantic-style message (the OpenAI SDK's)
+        def model_dump(self):
+            return {"role": "assistant", "content": None, "tool_calls": [{"function": Function("f", "{}")}]}
+
+    class Text(str):
+        pass
+
+    got = chat.prepare_messages([Model(), types.MappingProxyType({"role": Text("user"), "content": Text("hi"),
+                                                                  "n": np.int64(3), "name": None})])
+    assert got == [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "user", "content": "hi", "n": 3}]
+    assert [type(v) for v in got[1].values()] == [str, str, int]
+    assert chat.prepare_messages(got) == got
+    with pytest.raises(InvalidChatInput, match="each message is a dict"):
+        chat.prepare_messages([{"role": "user"}, 3])
 
 
 # --------------------------------------------------------------------------- registry and errors

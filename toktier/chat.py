@@ -186,7 +186,7 @@ class ChatTemplate(Renderer):
         ends the text right after the final message's text, for the model to continue it.
         Keyword arguments become template variables (e.g. `enable_thinking=False`).
         """
-        chat = _plain(_prepare_messages(messages))
+        chat = _prepare_messages(messages)
         return self._render_plain(chat, add_generation_prompt, continue_final_message, tools, documents, kwargs)
 
     def render_prepared(self, messages: list[dict], *, add_generation_prompt: bool = False,

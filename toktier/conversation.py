@@ -126,6 +126,7 @@ from .boundaries import stable_char_positions
 from .buffers import GrowableU32
 from .chat import ChatTemplate
 from .errors import InvalidChatInput, InvalidConversationOp, InvalidTokenIds, JunctionUnavailable
+from .fullpath import FullPath
 from .junctions import Junction, derive_junction, new_marker
 from .message_match import check_mode, common_prefix
 from .render_window import Appended, Locality, Rope
@@ -133,7 +134,6 @@ from .session import OpResult, RepairPath, Session
 from .text_diff import edit_script, match_forward
 
 if TYPE_CHECKING:
-    from .fullpath import FullPath
     from .registry import FrozenTokenizer
 
 _RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
@@ -275,7 +275,8 @@ class Conversation:
         # Tools, documents and keywords prepared for the template once, not on every render.
         self._bound = self.template.bind(**self.render_kwargs)
         self._stop_texts = tuple(stop_texts)
-        self._full_path = full_path
+        # one for all its sessions (a tail segment's session is made on every generated turn)
+        self._full_path = full_path if full_path is not None else FullPath()
         self._fast_path = True
         self._junction: Junction | None = None
         self._locality: Locality | None = None

@@ -572,7 +572,15 @@ class Locality:
         renders everything (exact) until the verdicts are in.  A probe costs 0.1-0.6 s of
         renders; in a server it would stall the first op of every new message kind or tool list."""
         kinds = list(dict.fromkeys(kind(m) for m in messages))
-        for scheme in sorted(SCHEMES, key=lambda s: s != prefer):
+        verdicts = self._verdicts
+        # Every kind decided local under the preferred scheme (every op of a settled conversation):
+        # that scheme first, without sorting kinds or schemes.
+        if all(verdicts.get((k, prefer)) for k in kinds):
+            yield prefer
+            rest: Iterable[int] = [s for s in SCHEMES if s != prefer]
+        else:
+            rest = sorted(SCHEMES, key=lambda s: s != prefer)
+        for scheme in rest:
             # Kinds already known to fail first: a scheme that cannot serve is rejected unprobed.
             kinds.sort(key=lambda k: self._verdicts.get((k, scheme)) is not False)
             if wait:

@@ -76,51 +76,48 @@ def prepare_messages(messages: Messages) -> list[dict]:
     Unlike `render`, an empty list is allowed; preparing twice changes nothing."""
     if isinstance(messages, (list, tuple)) and len(messages) == 0:
         return []
-    return _plain(_prepare_messages(messages))
-
-
-def _to_dicts(value: Any) -> Any:
-    # Message objects (dataclasses, pydantic models such as the OpenAI SDK's) become dicts.
-    if value is None or type(value) in _LEAF_TYPES:  # (most values: no dataclass or model_dump probe)
-        return value
-    if isinstance(value, Mapping):
-        return {k: _to_dicts(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_dicts(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_dicts(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _to_dicts(value.model_dump())
-    return value
+    return _prepare_messages(messages)
 
 
 def _prepare_messages(messages: Messages) -> list[dict]:
+    """The messages rebuilt from plain JSON types (`_plain`: message objects become dicts on the
+    way), top-level None values dropped.  One pass: a token-in turn prepares its messages on
+    every op."""
     messages = getattr(messages, "messages", messages)
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise InvalidChatInput(f"messages is a list of message dicts, got {type(messages).__name__}")
     if len(messages) == 0:
         raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
     chat = []
-    for message in _to_dicts(list(messages)):
-        if not isinstance(message, dict):
+    for message in messages:
+        if not (isinstance(message, Mapping) or _is_record(message)):
             raise InvalidChatInput(f"each message is a dict (or a dataclass / pydantic model), got {message!r}")
         # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not a None.
-        chat.append({k: v for k, v in message.items() if v is not None})
+        chat.append({k: v for k, v in _plain(message).items() if v is not None})
     return chat
 
 
+def _is_record(value: Any) -> bool:
+    """A dataclass instance or a pydantic-style model (`model_dump`): what `_plain` turns into a dict."""
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or callable(getattr(value, "model_dump", None))
 
-#: Exact types `_to_dicts` and `_plain` return as they are.
+
+#: Exact types `_plain` returns as they are.
 _LEAF_TYPES = frozenset({str, int, float, bool})
 
 
 def _plain(value: Any) -> Any:
     # Everything the sandboxed template sees is rebuilt from plain JSON types: subclasses and
     # rich objects carry methods the sandbox does not know to be unsafe.
-    if value is None or type(value) in _LEAF_TYPES:
+    kind = type(value)
+    if value is None or kind in _LEAF_TYPES:
         return value
+    # The exact containers first: messages are mostly plain dicts, lists and strs, and the
+    # `Mapping` check below is an ABC lookup.
+    if kind is dict:
+        return {k if type(k) is str else _plain(k): _plain(v) for k, v in value.items()}
+    if kind is list:
+        return [_plain(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
