@@ -99,7 +99,9 @@ def _prepare_messages(messages: Messages) -> list[dict]:
 
 def _is_record(value: Any) -> bool:
     """A dataclass instance or a pydantic-style model (`model_dump`): what `_plain` turns into a dict."""
-    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or callable(getattr(value, "model_dump", None))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return True
+    return callable(getattr(value, "model_dump", None))
 
 
 #: Exact types `_plain` returns as they are.
