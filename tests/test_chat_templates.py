@@ -486,6 +486,13 @@ def test_nested_message_objects_are_rebuilt_from_plain_types():
     with pytest.raises(InvalidChatInput, match="each message is a dict"):
         chat.prepare_messages([{"role": "user"}, 3])
 
+    class ListModel:
+        def model_dump(self):
+            return ["role", "user"]
+
+    with pytest.raises(InvalidChatInput, match="each message is a dict"):
+        chat.prepare_messages([ListModel()])
+
 
 # --------------------------------------------------------------------------- registry and errors
 

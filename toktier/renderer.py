@@ -90,10 +90,12 @@ def _prepare_messages(messages: Messages) -> list[dict]:
         raise InvalidChatInput("cannot render an empty conversation: pass at least one message")
     chat = []
     for message in messages:
-        if not (isinstance(message, Mapping) or _is_record(message)):
+        record = type(message) is dict or isinstance(message, Mapping) or _is_record(message)
+        plain = _plain(message) if record else None
+        if type(plain) is not dict:  # (a model whose dump is not a mapping, too)
             raise InvalidChatInput(f"each message is a dict (or a dataclass / pydantic model), got {message!r}")
         # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not a None.
-        chat.append({k: v for k, v in _plain(message).items() if v is not None})
+        chat.append({k: v for k, v in plain.items() if v is not None})
     return chat
 
 
