@@ -1911,19 +1911,15 @@ class Engine {
     // 10-character appends 1.15x slower).  Nothing reads its bytes past what a conversion wrote
     // (pieces read in place are followed by arbitrary text too), so neither is zeroed.
     alignas(64) uint8_t small_pbuf[4096];
-    uint8_t* pb = small_pbuf;
-    struct PieceBytes {
-      uint8_t*& p;
-      uint8_t* get() const { return p; }
-    } pbuf{pb};
+    uint8_t* pbuf = small_pbuf;
     size_t pcap = sizeof small_pbuf;
     auto grow_pbuf = [&](size_t need, size_t used) {  // room for `need` bytes, keeping the first `used`
       if (need <= pcap) return;
       U8Scratch& kept = cache.piece_utf8;
-      const bool on_stack = pb == small_pbuf;
+      const bool on_stack = pbuf == small_pbuf;
       if (kept.size() < std::max(need, 2 * pcap)) kept.resize(std::max(need, 2 * pcap));  // (keeps its bytes)
       if (on_stack && used) std::memcpy(kept.data(), small_pbuf, used);
-      pb = kept.data();
+      pbuf = kept.data();
       pcap = kept.size();
     };
     PieceBatch batch;  // (byte offset in the segment buffer, length)
@@ -1973,13 +1969,13 @@ class Engine {
       auto extend = [&](int64_t pb) __attribute__((noinline)) {
         const int64_t to = std::min<int64_t>(b, std::max<int64_t>(pb, log_end + NARROW_AHEAD));
         reserve(k_off + size_t(to - k_char) + 16);
-        log_end = narrow_ascii(s, log_end, to, pbuf.get() + k_off + size_t(log_end - k_char));
+        log_end = narrow_ascii(s, log_end, to, pbuf + k_off + size_t(log_end - k_char));
         if (log_end < pb) {  // a wider character before pb: [log_end, pb) one character at a time
           const size_t at_end = k_off + size_t(log_end - k_char);
           reserve(at_end + size_t(pb - log_end) * 4 + 16);  // + room for `ascii8`'s 8-byte stores
-          uint8_t* const w = put_utf8_run(s, log_end, pb, n, pbuf.get() + at_end);
+          uint8_t* const w = put_utf8_run(s, log_end, pb, n, pbuf + at_end);
           k_char = log_end = pb;
-          k_off = size_t(w - pbuf.get());
+          k_off = size_t(w - pbuf);
         }
       };
       auto piece = [&](int64_t pa, int64_t pb) {
@@ -1988,17 +1984,17 @@ class Engine {
         if (pb > log_end) extend(pb);
         batch.emplace_back(uint32_t(off_pa), uint32_t(k_off + size_t(pb - k_char) - off_pa));
         if (batch.size() >= PieceBatch::CAP) {
-          flush(pbuf.get(), bbase);
+          flush(pbuf, bbase);
           // keep the narrowed characters past pb at the log's front
           const size_t cut = k_off + size_t(pb - k_char), used = k_off + size_t(log_end - k_char);
-          if (used > cut) std::memmove(pbuf.get(), pbuf.get() + cut, used - cut);
+          if (used > cut) std::memmove(pbuf, pbuf + cut, used - cut);
           bbase += int64_t(cut);
           k_char = pb;
           k_off = 0;
         }
       };
       pretokenize(s, a, b, piece);
-      flush(pbuf.get(), bbase);
+      flush(pbuf, bbase);
       text_char = b;  // `bytes_to` resumes after this segment
       text_byte = bbase + int64_t(k_off + size_t(log_end - k_char));
     };
@@ -2009,14 +2005,14 @@ class Engine {
       size_t used = 0;
       auto piece = [&](int64_t pa, int64_t pb) {
         grow_pbuf(used + size_t(pb - pa) * 4 + 16, used);  // + room for `ascii8`'s 8-byte stores
-        uint8_t* const w0 = pbuf.get() + used;
+        uint8_t* const w0 = pbuf + used;
         uint8_t* const w = put_utf8_run(s, pa, pb, n, w0);
         batch.emplace_back(uint32_t(used), uint32_t(w - w0));
         used += size_t(w - w0);
-        if (batch.size() >= PieceBatch::CAP) { flush(pbuf.get(), bbase); bbase += int64_t(used); used = 0; }
+        if (batch.size() >= PieceBatch::CAP) { flush(pbuf, bbase); bbase += int64_t(used); used = 0; }
       };
       pretokenize(s, a, b, piece);
-      flush(pbuf.get(), bbase);
+      flush(pbuf, bbase);
       text_char = b;  // `bytes_to` resumes after this segment
       text_byte = bbase + int64_t(used);
     };
