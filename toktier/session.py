@@ -465,29 +465,23 @@ class Session:
             # One compiled call for the common op (`RepairLane.append_commit`): the UTF-8, the
             # first window's certified splice, the text's growth.  With its code and data cold
             # (an op after the process slept), each Python step it saves costs microseconds.
+            ids, starts = self._ids, self._starts
             # Room first: a lane that finds a buffer too small has encoded its window for nothing
             # (the general path encodes it again).  An append adds fewer tokens than it has
             # characters, nearly always, plus the window's re-encoded tokens; growth is 1.5x, so
             # this allocates about as rarely as the commit itself would.
             # (only appends whose window stays on one thread: longer ones take the chunked lane below)
-            # The buffers are read here, not through their accessors: after the caches were swept
-            # (an op after other work), each Python call costs microseconds (an empty one ~7 us),
-            # and this path made five.
-            ids, cps, window = self._ids, self._starts._cp, self.window
-            n = ids.n
-            max_bytes = LANE_PARALLEL_MIN_BYTES - 2 * window
+            max_bytes = LANE_PARALLEL_MIN_BYTES - 2 * self.window
             if len(text) < max_bytes:
-                need = n + len(text) + window
-                if need > len(ids._buf) or -(-need // STRIDE) > len(cps._buf):
-                    self._room_for_tokens(need)
-            buf = ids._buf
-            done = (nat._lane or nat.lane()).append_commit(nat.pool, self._text, text, buf, n, cps._buf, cps.n,
-                                                           STRIDE, window, max_bytes)
+                self._room_for_tokens(ids.n + len(text) + self.window)
+            cp, n_cp = starts.raw()
+            done = nat.lane().append_commit(nat.pool, self._text, text, ids.buffer, ids.n, cp, n_cp, STRIDE,
+                                            self.window, max_bytes)
             if done is not None:
                 stats = self.stats
                 if done[0] == 0:
                     ids.n = done[2]
-                    cps.n = done[3]
+                    starts.set_count(done[3])
                     self._nchars += len(text)
                     self._ascii = self._ascii and text.isascii()
                     # (`_lookback` stays whole: its entries end at or before the old text's end)
@@ -495,7 +489,7 @@ class Session:
                     stats.tokens_retokenized += done[4]
                     stats.lane += 1
                     stats.first_window += 1
-                    return _new_tuple(OpResult, (buf[: done[2]], done[1], _FIRST_WINDOW, 0, None))
+                    return _new_tuple(OpResult, (ids.view(), done[1], _FIRST_WINDOW, 0, None))
                 stats.tokens_retokenized += done[1]  # declined: the general path, without the lane
                 end = len(self._text)
                 return self._apply(end, end, _to_utf8(text), len(text), lane=False)
