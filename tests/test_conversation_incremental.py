@@ -73,6 +73,34 @@ def test_unassigned_sampled_ids_are_refused():
     assert conv.generated[0].text == " Hello<|endoftext|>"
 
 
+
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_sampled_ids_are_checked_and_joined_alike_on_either_engine(engine):
+    """The native engine checks and joins sampled IDs in one compiled pass, the reference path in
+    numpy and Python: the same bytes, the same refusals (a wide integer is range-checked before
+    the cast to uint32, where 2**32 + 5 would wrap to id 5)."""
+    import toktier
+
+    tok = toktier.load_tokenizer("cl100k_base", engine=engine)
+    assert (tok.native is not None) == (engine == "native")
+    conv = Conversation(tok, chat.ChatTemplate(EOT, {"eos_token": "<|endoftext|>"}))
+    conv.append_messages([{"role": "user", "content": " Hi"}])
+    vocab = len(tok.table)
+    for bad, why in (([vocab], str(vocab)), (np.array([5, vocab], np.uint32), str(vocab)),
+                     (np.array([2**32 + 5], np.int64), str(2**32 + 5)), (np.array([-3], np.int32), "-3"),
+                     (np.array([5, 100256], np.uint32), "unassigned")):
+        with pytest.raises(InvalidTokenIds, match=why):
+            conv.append_generated(bad)
+    text = " Ünïcode 漢字, emoji 🎉 and <|endoftext|>"
+    ids = tok.encode(text)
+    for given in (ids, ids.astype(np.int64), ids.tolist()):
+        twin = Conversation(tok, chat.ChatTemplate(EOT, {"eos_token": "<|endoftext|>"}))
+        twin.append_messages([{"role": "user", "content": " Hi"}])
+        twin.append_generated(given)
+        assert twin.generated[0].text == text and twin.generated[0].stop == "<|endoftext|>"
+        assert twin.messages[-1]["content"] == text[: -len("<|endoftext|>")]
+
+
 # --------------------------------------------------------------------------- 1b: cheap read access
 
 def test_num_messages_num_chars_and_read_only_messages(tally):

@@ -443,7 +443,7 @@ class Conversation:
         appended in the same op: the state and IDs are those of `append_generated` followed by
         `append_messages(then)`, but the new text is rendered and repaired once, not twice.
         """
-        sampled = _checked_ids(ids, self.tokenizer)
+        sampled, data = _checked_ids(ids, self.tokenizer)
         after = _prepare(then) if then else []
         if not self._messages:
             raise InvalidConversationOp("append_generated needs a prompt: add messages first (sampled IDs continue "
@@ -451,8 +451,7 @@ class Conversation:
         if len(sampled) == 0:
             raise InvalidConversationOp("append_generated got no IDs: pass the sampled IDs (with their stop token)")
         junction = self.junction
-        stop, kept = _split_stop(self.tokenizer, junction, sampled)
-        data = _bytes_of(self.tokenizer, sampled)
+        stop, kept = _split_stop(self.tokenizer, junction, sampled, data)
         content = data[: len(data) - len(stop.encode("utf-8"))] if stop else data
         if message is None:
             # the sampled IDs of the content too, where the stop is one token (a parser may read them)
@@ -1035,9 +1034,11 @@ def _frozen(value: Any) -> Any:
     return value  # str, int, float, bool, None, and tuples of those (prepared values are immutable)
 
 
-def _checked_ids(ids: Any, tokenizer: FrozenTokenizer) -> np.ndarray:
-    """`ids` as a uint32 array; `InvalidTokenIds` unless every id is one the tokenizer assigned
-    (in range, and not a gap: `TokenTable` gives unassigned ids no bytes)."""
+def _checked_ids(ids: Any, tokenizer: FrozenTokenizer) -> tuple[np.ndarray, bytes]:
+    """(`ids` as a uint32 array, their bytes concatenated); `InvalidTokenIds` unless every id is
+    one the tokenizer assigned (in range, and not a gap: `TokenTable` gives unassigned ids no
+    bytes).  The native engine checks and joins in one compiled pass; the checks below name
+    the offending ids."""
     vocab = len(tokenizer.table)
     try:
         arr = np.asarray(ids)
@@ -1045,35 +1046,38 @@ def _checked_ids(ids: Any, tokenizer: FrozenTokenizer) -> np.ndarray:
         raise InvalidTokenIds(f"sampled IDs must be a 1-D sequence of integers ({exc})") from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidTokenIds(f"sampled IDs must be a 1-D sequence of integers, not {arr.ndim}-D {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise InvalidTokenIds(f"sampled ID {bad} is outside the tokenizer's {vocab} ids (0..{vocab - 1}): were they "
-                              "sampled with another tokenizer?")
+    # (a wider integer type is range-checked before the cast: 2**32 + 5 would wrap to id 5)
+    if arr.size and arr.dtype != np.uint32:
+        _check_range(int(arr.min()), int(arr.max()), vocab)
     out = np.ascontiguousarray(arr, dtype=np.uint32)
+    native = tokenizer.native
+    data = native.joined(out) if native is not None else None
+    if data is not None:
+        return out, data
     if out.size:
+        _check_range(0, int(out.max()), vocab)
         holes = tokenizer.token_len[out] == 0
         if holes.any():
             bad_ids = np.unique(out[holes])
             shown = ", ".join(str(i) for i in bad_ids[:8].tolist()) + (", ..." if len(bad_ids) > 8 else "")
             raise InvalidTokenIds(f"sampled ID(s) {shown} are unassigned in {tokenizer.name} (gaps in its id range: "
                                   "no token has them): were they sampled with another tokenizer?")
-    return out
+    return out, b"".join(map(tokenizer.token_bytes.__getitem__, out.tolist()))  # (no Python frame per ID)
 
 
-def _bytes_of(tokenizer: FrozenTokenizer, ids: np.ndarray) -> bytes:
-    return b"".join(map(tokenizer.token_bytes.__getitem__, ids.tolist()))  # (no Python frame per ID)
+def _check_range(lo: int, hi: int, vocab: int) -> None:
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise InvalidTokenIds(f"sampled ID {bad} is outside the tokenizer's {vocab} ids (0..{vocab - 1}): were they "
+                              "sampled with another tokenizer?")
 
 
-def _split_stop(tokenizer: FrozenTokenizer, junction: Junction, sampled: np.ndarray) -> tuple[str | None, np.ndarray]:
-    """(the stop text the run ends with or None, the IDs to keep).  With a stop-is-start template the
-    tokens spelling the trailing stop are dropped; if they do not end exactly where the stop text
-    begins, the run is kept whole and counts as truncated."""
-    longest = max((len(s.encode("utf-8")) for s in junction.stops), default=0)
-    k, have, lens = len(sampled), 0, tokenizer.token_len
-    while k > 0 and have < longest:  # only the tokens that can hold a stop are decoded
-        k -= 1
-        have += int(lens[sampled[k]])
-    stop = junction.stop_of(_bytes_of(tokenizer, sampled[k:]))
+def _split_stop(tokenizer: FrozenTokenizer, junction: Junction, sampled: np.ndarray,
+                data: bytes) -> tuple[str | None, np.ndarray]:
+    """(the stop text the run ends with or None, the IDs to keep); `data`: the run's bytes.  With a
+    stop-is-start template the tokens spelling the trailing stop are dropped; if they do not end
+    exactly where the stop text begins, the run is kept whole and counts as truncated."""
+    stop = junction.stop_of(data)
     if stop is None or not junction.stop_is_start:
         return stop, sampled
     need, k, lens = len(stop.encode("utf-8")), len(sampled), tokenizer.token_len

@@ -125,6 +125,10 @@ class NativeEngine:
         """Runs of characters an NFC normalizer may change, flat (start, end) pairs (`CoreEngine.nfc_runs`)."""
         return self._core.nfc_runs(text)
 
+    def joined(self, ids: np.ndarray) -> bytes | None:
+        """The tokens' bytes concatenated, or None for an id out of range or unassigned (`CoreEngine.joined`)."""
+        return self._core.joined(ids)
+
     def spells(self, ids: np.ndarray, data: bytes) -> bool:
         """Whether the tokens' canonical bytes concatenate to `data` (`CoreEngine.spells`)."""
         return self._core.spells(ids, data)
