@@ -52,6 +52,10 @@ included for every engine):
   spare core, or under the GIL in slices of ~0.4 ms, 5.5 ms at most).
 * ``toktier-nodrift`` (opt-in: ``--engines``): the same with ``track_drift=False`` (no drift
   reference kept: what a caller that never reads ``drift`` pays); the same IDs.
+* ``toktier-onread`` (opt-in): ``track_drift="on_read"``, reading ``conv.drift`` inside the timed
+  turn on every checked turn (every ``--every``-th at ``--dense-below`` characters and more, every
+  turn below): the reference catches up there for all the turns since; the read values are
+  compared with the independent first difference like ``toktier``'s ``res.drift``.
 * ``render+hf``: ``template.render(all messages, add_generation_prompt=True)`` then HF
   ``tokenizers`` ``Tokenizer.encode(text, add_special_tokens=False).ids`` -> numpy (HF has no
   array path: the Python list is its only output).  This is also the reference: on checked turns
@@ -83,7 +87,9 @@ encode (60-200 ms at 100K-300K) that sweeps the CPU caches, so whichever engines
 in that turn run cold: where every turn is checked, the timings are of engines that follow a
 60-200 ms cache sweep about half the time, a harder setting than a server's (whose other work
 between two turns of one conversation is mostly other conversations' ops on the same tables).
-``--dense-below 0`` checks every ``--every``-th turn everywhere (the same engines, fewer sweeps).  Text mode: any difference is a divergence (exit status 1).
+``--dense-below 0`` checks every ``--every``-th turn everywhere (the same engines, fewer sweeps).  Text mode: any
+difference is a divergence (exit status 1); token modes: so is a reported drift that is not the
+independent first difference.
 Token modes: each engine's first differing index is its *drift* (reported, not an error);
 TokTier's ``res.drift`` is compared with that independent computation, and TokTier's IDs with
 the ``tito`` baseline's (two implementations of one TITO definition).
@@ -430,6 +436,7 @@ class Step:
     sampled: np.ndarray | None  # token mode: the sampled IDs; text mode: None
     results: list[dict]
     messages: list[dict]  # the whole list after the turn (what a chat-completions client sends)
+    wants_drift: bool = False  # a checked turn: the caller reads the drift (``toktier-onread`` computes it here)
 
 
 class RenderEncode:
@@ -497,12 +504,15 @@ class TokTierConv:
 
     name = "toktier"
 
-    def __init__(self, ro: Rollout, track_drift: bool = True, tokenizer: Any = None) -> None:
+    def __init__(self, ro: Rollout, track_drift: bool | str = True, tokenizer: Any = None) -> None:
         cls, why = conversation_class()
         if cls is None:
             raise RuntimeError(why)
         if not track_drift:
             self.name = "toktier-nodrift"
+        elif track_drift == "on_read":
+            self.name = "toktier-onread"
+        self.drift: int | None = None  # toktier-onread: the drift it read on the last checked turn
         tok = ro.tokenizer if tokenizer is None else tokenizer
         # as a server runs it: a new message kind's first op renders in full, its probe runs aside
         # (a checkout from before 5 December 2026, measured with --ab, probes inline)
@@ -525,6 +535,8 @@ class TokTierConv:
             self.last = self.conv.append_messages([step.assistant, *step.results])
         else:  # the sampled turn and the tool results after it: one op (`then`)
             self.last = self.conv.append_generated(step.sampled, message=step.assistant, then=step.results)
+        if self.name == "toktier-onread" and step.wants_drift:  # read when the caller needs it: timed
+            self.drift = self.conv.drift
         return self.last.ids
 
 
@@ -549,6 +561,8 @@ def build_engines(ro: Rollout, mode: str, names: Sequence[str], log) -> list:
                 out.append(TokTierConv(ro, tokenizer=own_tokenizer()))
             elif name == "toktier-nodrift":  # no drift reference (track_drift=False): the same IDs
                 out.append(TokTierConv(ro, track_drift=False, tokenizer=own_tokenizer()))
+            elif name == "toktier-onread":  # the drift computed on checked turns only (track_drift="on_read")
+                out.append(TokTierConv(ro, track_drift="on_read", tokenizer=own_tokenizer()))
             elif name == "render+hf":
                 out.append(RenderEncode(name, ro, hf_encoder(ro.tokenizer)))
             elif name == "render-only":
@@ -606,6 +620,7 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
     diverged: dict[str, list[dict]] = {name: [] for name in exact_engines}
     drift: dict[str, list[tuple[int, int | None]]] = {name: [] for name in exact_engines}
     reported: list[tuple[int, Any, int | None]] = []  # (turn, toktier res.drift, our first diff)
+    reported_on_read: list[tuple[int, Any, int | None]] = []  # (turn, toktier-onread's conv.drift, ours)
     same_as_tito: list[int | None] = []  # per checked turn: first index where toktier and tito differ
     first_split_at: int | None = None  # prompt index of the first non-canonical sampled token
     prompt_tokens = len(starts[ref_engine.name])
@@ -620,7 +635,7 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
             if mode == "tokens+split" and turn.split is not None and first_split_at is None:
                 first_split_at = prompt_tokens + turn.split_at
         messages = messages + [turn.assistant, *turn.results]
-        step = Step(turn.assistant, sampled, list(turn.results), messages)
+        step = Step(turn.assistant, sampled, list(turn.results), messages, wants_drift=check)
         bucket = bucket_of(turn.prompt_chars)
         got: dict[str, np.ndarray] = {}
         shuffle(run_order)
@@ -650,6 +665,9 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
                 else:
                     drift[name].append((t, d))
             tt = next((e for e in engines if e.name == "toktier"), None)
+            lazy = next((e for e in engines if e.name == "toktier-onread"), None)
+            if lazy is not None and mode != "text":
+                reported_on_read.append((t, lazy.drift, _first_diff(got["toktier-onread"], ref)))
             if tt is not None and mode != "text":
                 reported.append((t, getattr(tt.last, "drift", "n/a"), _first_diff(got["toktier"], ref)))
                 if "tito" in got:  # two implementations of one TITO definition: do they agree?
@@ -662,7 +680,8 @@ def replay(ro: Rollout, mode: str, engine_names: Sequence[str], every: int = 8, 
     return {"family": ro.family.name, "mode": mode, "turns": len(ro.turns), "checked": checked,
             "final_chars": ro.turns[-1].prompt_chars if ro.turns else ro.start_chars,
             "engines": [e.name for e in engines], "times": times, "diverged": diverged, "drift": drift,
-            "toktier_drift_reported": reported, "toktier_vs_tito": same_as_tito, "first_split_at": first_split_at,
+            "toktier_drift_reported": reported, "onread_drift_reported": reported_on_read,
+            "toktier_vs_tito": same_as_tito, "first_split_at": first_split_at,
             "engine_stats": extra}
 
 
@@ -687,6 +706,9 @@ def summarize(res: dict) -> list[dict]:
             nd = row.get("toktier-nodrift")
             if nd and ft and nd["n"] and ft["n"]:
                 row["ratio_fastokens_over_nodrift"] = ft["p50"] / nd["p50"]
+            lz = row.get("toktier-onread")
+            if lz and ft and lz["n"] and ft["n"]:
+                row["ratio_fastokens_over_onread"] = ft["p50"] / lz["p50"]
             rows.append(row)
     return rows
 
@@ -712,9 +734,11 @@ def print_result(res: dict, rows: list[dict]) -> None:
           f"{res['checked']} checked against the exact re-render")
     head = " | ".join(f"{n} P50 / P99 ms (n)" for n in names)
     nodrift = "toktier-nodrift" in names
+    onread = "toktier-onread" in names
     extra = " render+fastokens / toktier-nodrift (P50) |" if nodrift else ""
+    extra += " render+fastokens / toktier-onread (P50) |" if onread else ""
     print(f"\n| context | {head} | render+fastokens / toktier (P50) |{extra}")
-    print("|---" * (len(names) + 2 + nodrift) + "|")
+    print("|---" * (len(names) + 2 + nodrift + onread) + "|")
     for r in rows:
         cells = " | ".join(f"{r[n]['p50']:.2f} / {r[n]['p99']:.2f} ({r[n]['n']})" if r[n]["n"] else "-"
                            for n in names)
@@ -723,6 +747,9 @@ def print_result(res: dict, rows: list[dict]) -> None:
         if nodrift:
             nd = r.get("ratio_fastokens_over_nodrift")
             line += f" {f'**{nd:.1f}x**' if nd else '-'} |"
+        if onread:
+            lz = r.get("ratio_fastokens_over_onread")
+            line += f" {f'**{lz:.1f}x**' if lz else '-'} |"
         print(line)
     for name, st in res["engine_stats"].items():
         if name == "toktier":
@@ -735,11 +762,12 @@ def print_result(res: dict, rows: list[dict]) -> None:
         print(f"- first non-canonical sampled token at prompt index {res['first_split_at']}")
         for name, s in drift_summary(res).items():
             print(f"- drift {name}: {s}")
-        rep = res["toktier_drift_reported"]
-        if rep:
-            agree = sum(1 for _, a, b in rep if a == b)
-            print(f"- toktier res.drift vs independent first diff: {agree}/{len(rep)} agree"
-                  + ("" if agree == len(rep) else f"; first disagreement {next(x for x in rep if x[1] != x[2])}"))
+        for label, rep in (("toktier res.drift", res["toktier_drift_reported"]),
+                           ("toktier-onread conv.drift", res.get("onread_drift_reported") or [])):
+            if rep:
+                agree = sum(1 for _, a, b in rep if a == b)
+                print(f"- {label} vs independent first diff: {agree}/{len(rep)} agree"
+                      + ("" if agree == len(rep) else f"; first disagreement {next(x for x in rep if x[1] != x[2])}"))
         vs = res.get("toktier_vs_tito") or []
         if vs:
             same = sum(1 for d in vs if d is None)
@@ -811,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
           f"rollouts to {args.chars:,} chars, seed {args.seed}; checked: every turn below {args.dense_below:,} chars, "
           f"every {args.every}th above; per-turn ms, engines interleaved turn by turn; "
           f"sources {_sources()}")
-    all_rows, results, bad = [], [], 0
+    all_rows, results, bad, wrong = [], [], 0, 0
     for fam in args.families.split(","):
         t0 = time.perf_counter()
         ro = make_rollout(fam, args.chars, args.seed)
@@ -825,14 +853,17 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             if mode == "text":
                 bad += sum(len(v) for v in res["diverged"].values())
+            else:  # a drift TokTier reports must be the independent first difference
+                wrong += sum(a != b for key in ("toktier_drift_reported", "onread_drift_reported")
+                             for _, a, b in res.get(key) or [])
     print("\n## goals (TokTier per-turn P50 >= 5x faster than render + fastokens at 100K+, flat)")
     for line in goals(all_rows) or ["no TokTier timings: nothing to compare"]:
         print(f"- {line}")
-    print(f"\ntext-mode divergences from the exact re-render: {bad}")
+    print(f"\ntext-mode divergences from the exact re-render: {bad}; token-mode drifts reported wrong: {wrong}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": all_rows, "results": results}, f, default=str)
-    return 1 if bad else 0
+    return 1 if bad or wrong else 0
 
 
 if __name__ == "__main__":

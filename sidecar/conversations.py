@@ -166,7 +166,7 @@ class ConvOptions(NamedTuple):
     match: str
     add_generation_prompt: bool
     stop_texts: tuple[str, ...]
-    track_drift: bool = True
+    track_drift: bool | str = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +420,7 @@ class Conversations:
         slot.nbytes = conversation_nbytes(text_nbytes, n, messages, bool(slot.conv.generated), seg.nbytes,
                                           slot.overhead)
         return ConvOutcome(seg, n, slot.seq, first_changed, first_changed_message, drift, slot.chars, messages,
-                           slot.tokenizer.hash, slot.conv.track_drift)
+                           slot.tokenizer.hash, slot.conv.track_drift is True)
 
     def create(self, svc: SessionService, tok: toktier.FrozenTokenizer, opts: ConvOptions, req: P.ConvOpen,
                key: SessionKey) -> tuple[ConvSlot, ConvOutcome]:
@@ -442,7 +442,8 @@ class Conversations:
         conv = slot.conv.fork()
         new = ConvSlot(conv, svc.pool.session_arena(), slot.tokenizer, slot.options, self, overhead=_overhead(key))
         try:
-            out = self.publish(new, conv.ids, 0, 0, conv.drift, slot.messages, conv.num_chars, conv.text_nbytes)
+            out = self.publish(new, conv.ids, 0, 0, _result_drift(conv), slot.messages, conv.num_chars,
+                               conv.text_nbytes)
         except BaseException:
             new.arena.release()
             raise
@@ -480,13 +481,19 @@ class Conversations:
         slot = ConvSlot(conv, svc.pool.session_arena(), tok, opts, self, overhead=_overhead(key))
         slot.seq = rec.seq - 1  # publish makes it the record's
         try:
-            out = self.publish(slot, conv.ids, 0, 0, conv.drift, conv.num_messages, conv.num_chars,
+            out = self.publish(slot, conv.ids, 0, 0, _result_drift(conv), conv.num_messages, conv.num_chars,
                                conv.text_nbytes)
         except BaseException:
             slot.arena.release()
             raise
         slot.last_op_key, slot.last_out = rec.op_key, out
         return slot
+
+
+def _result_drift(conv: "Conversation") -> int | None:
+    """The drift a result outside an op reports (a fork's, a restore's): computed only where every
+    result has it; ``"on_read"`` leaves it to ``ConvDrift``."""
+    return conv.drift if conv.track_drift is True else None
 
 
 class ConversationMiss(SessionMiss):
@@ -534,7 +541,7 @@ def _slot_chars(svc: SessionService, key: Hashable | None) -> int:
 
 # ------------------------------------------------------------------ handlers
 Q = TypeVar("Q", P.ConvOpen, P.ConvAppendMessages, P.ConvSetMessages, P.ConvAppendGenerated, P.ConvFork,
-            P.ConvRollback, P.ConvClose)
+            P.ConvRollback, P.ConvDrift, P.ConvClose)
 C = TypeVar("C", P.ConvAppendMessages, P.ConvSetMessages, P.ConvAppendGenerated, P.ConvRollback)
 
 
@@ -766,6 +773,40 @@ class ConvForkHandler(_ConvOp[P.ConvFork]):
             book.finish(svc, key, slot)
 
         return Plan(work=lambda: book.fork(svc, slot, new_key), done=done, failed=failed)
+
+
+@handles(P.ConvDrift)
+class ConvDriftHandler(_ConvOp[P.ConvDrift]):
+    """Read the drift (``toktier.Conversation.drift``).  With ``track_drift="on_read"`` that brings
+    the drift reference up to date (renders and a repair: in the pool, the conversation pinned);
+    the IDs, the seq and the record do not change.  A failure there changes nothing either (the
+    core rebuilds the reference from its text), so only an unexpected error ends the
+    conversation, as for the other ops."""
+
+    pool = "repair"
+
+    def work_chars(self, svc: SessionService, key: Hashable | None, req: P.ConvDrift) -> int:
+        return _slot_chars(svc, key)
+
+    def plan(self, svc: SessionService, call: Call, req: P.ConvDrift) -> Plan:
+        key = call.key
+        assert key is not None
+        book = _book(svc)
+        slot = book.begin(svc, key, req.expect_seq)
+        svc.store.pin(key)
+        seq = slot.seq  # (the lane runs nothing else on this conversation meanwhile)
+
+        def done(drift: int | None) -> Answer:
+            book.finish(svc, key, slot)
+            return Answer(P.ConvDriftIs(id=req.id, drift=drift, seq=seq, drift_tracked=slot.conv.drift_tracked))
+
+        def failed(exc: BaseException) -> None:
+            if code_for(exc) is None or isinstance(exc, ResourceExhausted):
+                svc.store.unpin(key)
+                svc.close(key)
+            book.finish(svc, key, slot)
+
+        return Plan(work=lambda: slot.conv.drift, done=done, failed=failed)
 
 
 @handles(P.ConvClose)

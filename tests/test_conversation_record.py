@@ -62,9 +62,9 @@ def test_text_conversations_replay_equal(name, ops, tally):
 @pytest.mark.parametrize("name", ["qwen3", "llama3_1", "glm_special", "minimax_text"])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
-@given(ops=st.lists(_OP, min_size=1, max_size=8))
-def test_token_in_conversations_replay_equal(name, ops, tally):
-    m = _run_tito_ops(name, ops, tally)
+@given(ops=st.lists(_OP, min_size=1, max_size=8), on_read=st.booleans())
+def test_token_in_conversations_replay_equal(name, ops, on_read, tally):
+    m = _run_tito_ops(name, ops, tally, track_drift="on_read" if on_read else True)
     back = round_trip(m.conv, m.tok)
     assert_same(m.conv, back)
     # Both go on alike: a tool result, then a sampled turn (checked against the definition).

@@ -156,20 +156,29 @@ def independent_drift(tok, template, conv) -> int | None:
 class Model:
     """The test's own record of a conversation's history and its runs."""
 
-    def __init__(self, name: str, agp: bool = True, match: str = "strict", **render_kwargs):
+    def __init__(self, name: str, agp: bool = True, match: str = "strict", track_drift: bool | str = True,
+                 **render_kwargs):
         self.tok, self.template, kw, self.stop, self.is_start = setup(name)
         self.kw = render_kwargs
         self.conv = Conversation(self.tok, self.template, add_generation_prompt=agp, match=match,
-                                 stop_texts=kw.get("stop_texts", ()), **render_kwargs)
+                                 stop_texts=kw.get("stop_texts", ()), track_drift=track_drift, **render_kwargs)
         self.runs: list[tuple[int, list[int], str | None]] = []
 
-    def check(self, result, tally=None) -> None:
+    def check(self, result, tally=None, *, read_drift: bool = True) -> None:
+        """The op's IDs and text against the definition; its drift against the independent
+        re-render (with ``track_drift="on_read"``: the result has none, and `drift` is read, so
+        that the reference catches up, only when `read_drift`)."""
         conv = self.conv
         ids, text = expected(self.tok, self.template, list(conv.messages), self.runs, conv.add_generation_prompt,
                              self.is_start, self.kw)
         assert result.ids.tolist() == ids == conv.ids.tolist()
         assert result.text == text == conv.text
-        assert result.drift == independent_drift(self.tok, self.template, conv) == conv.drift
+        if conv.track_drift is True:
+            assert result.drift == independent_drift(self.tok, self.template, conv) == conv.drift
+        else:
+            assert result.drift is None and not result.drift_tracked and conv.drift_tracked
+            if read_drift:
+                assert conv.drift == independent_drift(self.tok, self.template, conv)
         assert [(r.message_index, r.sampled.tolist()) for r in conv.generated] == [(k, s) for k, s, _ in self.runs]
         if tally is not None:
             tally(self.tok, "tito", 1)
@@ -477,6 +486,49 @@ def test_misuse_is_typed():
     assert (m.conv.ids.tolist(), m.conv.text) == before
 
 
+
+def test_drift_on_read_refusals_and_state():
+    """``track_drift="on_read"``: a bad value is refused; a template that refuses a real generated
+    message (which an op never renders in this mode, the marker standing for it) lets the op
+    through and raises when `drift` is read, every time, leaving the conversation as it was; a
+    rollback past that message makes the drift readable again.  `state()` and `replay` keep
+    the mode (the replayed reference starts in step)."""
+    from toktier.errors import ChatTemplateError
+
+    tok = get_tokenizer("llama3")
+    with pytest.raises(InvalidConversationOp, match="on_read"):
+        Conversation(tok, chat.ChatTemplate("{{ messages[0].content }}"), track_drift="sometimes")
+    source = ("{% for m in messages %}{% if m.role == 'assistant' and 'boom' in m.content %}"
+              "{{ raise_exception('no boom here') }}{% endif %}<{{ m.role }}>{{ m.content }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    template = chat.ChatTemplate(source, {"eos_token": "<|eot_id|>"})
+    eager = Conversation(tok, template)
+    lazy = Conversation(tok, template, track_drift="on_read")
+    for conv in (eager, lazy):
+        conv.append_messages([{"role": "user", "content": "hi"}])
+        conv.append_generated(tok.encode(" fine<|eot_id|>"), then=[{"role": "user", "content": "again"}])
+    assert lazy.drift is None == eager.drift
+    sampled = tok.encode(" boom<|eot_id|>")
+    with pytest.raises(ChatTemplateError, match="no boom"):
+        eager.append_generated(sampled)
+    r = lazy.append_generated(sampled)
+    assert r.drift is None and not r.drift_tracked
+    before = (lazy.ids.tolist(), lazy.text, len(lazy.messages))
+    for _ in range(2):
+        with pytest.raises(ChatTemplateError, match="no boom"):
+            lazy.drift
+        assert (lazy.ids.tolist(), lazy.text, len(lazy.messages)) == before
+    lazy.rollback(3)
+    assert lazy.drift == independent_drift(tok, template, lazy) is None
+    split = [i for ch in " ok" for i in tok.encode(ch).tolist()] + tok.encode("<|eot_id|>").tolist()
+    lazy.append_generated(split, then=[{"role": "user", "content": "more"}])
+    state = lazy.state()
+    assert state.track_drift == "on_read"
+    twin = Conversation.replay(tok, state)
+    assert twin.track_drift == "on_read" and twin.ids.tolist() == lazy.ids.tolist()
+    assert twin.drift == lazy.drift == independent_drift(tok, template, lazy) is not None
+
+
 # --------------------------------------------------------------------------- properties
 
 _WORDS = st.lists(st.sampled_from(["word", " conversation", " 123", "\n", "é", "e\u0301", " <|im_end|>", "🙂",
@@ -486,8 +538,8 @@ _OP = st.tuples(st.sampled_from(["user", "tool", "gen", "gen_then", "gen_split",
                 st.integers(0, 1 << 16), _WORDS)
 
 
-def _run_tito_ops(name: str, ops, tally) -> Model:
-    m = Model(name)
+def _run_tito_ops(name: str, ops, tally, track_drift: bool | str = True) -> Model:
+    m = Model(name, track_drift=track_drift)
     m.conv.append_messages([{"role": "user", "content": "start"}])
     for kind, at, text in ops:
         if not m.conv.messages:  # rolled back to nothing: a prompt first
@@ -520,7 +572,8 @@ def _run_tito_ops(name: str, ops, tally) -> Model:
         else:
             m.conv = m.conv.fork()
             r = m.conv.append_messages([{"role": "user", "content": text}])
-        m.check(r, tally)
+        m.check(r, tally, read_drift=at % 3 == 0)  # (on_read: the reference catches up over several ops)
+    assert m.conv.drift == independent_drift(m.tok, m.template, m.conv)
     return m
 
 
@@ -532,6 +585,18 @@ def test_random_tito_sequences(name, ops, tally):
     _run_tito_ops(name, ops, tally)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1", "deepseek_v3", "glm_special", "minimax_text"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(ops=st.lists(_OP, min_size=1, max_size=10))
+def test_random_tito_sequences_with_drift_on_read(name, ops, tally):
+    """``track_drift="on_read"``: the same IDs and texts, results without drift, and `drift`, read
+    after some ops only, equal to the independent re-render's: the reference catches up over
+    every kind of op since its last read (appends through one window, edits, rollbacks and
+    branches rendered whole, forks carrying the reference left behind)."""
+    _run_tito_ops(name, ops, tally, track_drift="on_read")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TITO_NAMES)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -541,17 +606,18 @@ def test_random_tito_sequences_long(name, ops, tally):
     _run_tito_ops(name, ops, tally)
 
 
+@pytest.mark.parametrize("track_drift", [True, "on_read"])
 @pytest.mark.parametrize("name", sorted(BUNDLED) + ["glm_special", "minimax_text", "chatml_text"])
-def test_drift_reference_waits_after_the_drift_point(name, tally):
+def test_drift_reference_waits_after_the_drift_point(name, track_drift, tally):
     """Once the IDs drift (a non-canonical sample early on), later appends after the drift point
     leave the drift reference's edit for later (`Conversation._defers`): every op's IDs and drift
     still equal the definition and the independent re-render, through appends, generated turns,
     a fork, an edit and a rollback before the drift point (which bring the reference up to date),
-    and the deferral must have happened."""
+    and the deferral must have happened (with ``track_drift="on_read"``, at the reads)."""
     from toktier.tools.corpus import large_text
 
     material = large_text(40_000)
-    m = Model(name)
+    m = Model(name, track_drift=track_drift)
     pos = 0
 
     def text(n: int) -> str:
@@ -572,7 +638,7 @@ def test_drift_reference_waits_after_the_drift_point(name, tally):
             m.check(m.conv.append_messages([{"role": "user", "content": text(500)}]), tally)
         waited += m.conv._shadow_lag is not None
         if turn == 3:  # a fork carries the waiting reference; both go on exactly
-            other = Model(name)
+            other = Model(name, track_drift=track_drift)
             other.conv, other.runs = m.conv.fork(), list(m.runs)
             other.check(other.conv.append_messages([{"role": "user", "content": text(300)}]), tally)
             other.check(other.generate(m.sample(text(200))), tally)

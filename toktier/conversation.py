@@ -67,7 +67,15 @@ Drift: `drift` is the first index where the IDs differ from encode(render(m, add
 =...)) of the real messages (None when equal).  A shadow `Session` over that full render is synced on
 every op (an edit, not a re-encode; its text rendered through a window like the live one) and
 compared from the last index known equal.  `track_drift=False` keeps no shadow: `drift` is then
-None and results say ``drift_tracked=False`` (not computed, rather than "equal").  Drift appears
+None and results say ``drift_tracked=False`` (not computed, rather than "equal").
+``track_drift="on_read"`` keeps the shadow but leaves it behind on every op (results say
+``drift=None, drift_tracked=False``); reading `Conversation.drift` brings it up to date as one
+plan and one edit for all the ops since (the appended messages rendered through one window,
+anything else rendered whole and diffed) and answers exactly what ``track_drift=True`` would:
+an RL rollout that wants the drift of a finished trajectory pays the token-in turns of a
+conversation without a drift reference, and a fraction of the per-op syncs once.  The template
+then renders the real messages only when the drift is read, so a template that refuses them
+raises there (with ``track_drift=True`` the op itself would have raised).  Drift appears
 when sampled IDs are not the canonical tokenization of their text, when the template renders a
 generated turn otherwise than the model wrote it (Qwen3 dropping its `<think>` block later), or
 when a stop token is stripped or replaced.
@@ -138,6 +146,21 @@ if TYPE_CHECKING:
 
 _RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
 
+#: `track_drift` value: the drift reference catches up only when `Conversation.drift` is read.
+DRIFT_ON_READ = "on_read"
+_NEVER = 1 << 62  # "no live change yet" for `_pending_first`
+
+
+def check_drift_mode(value: Any) -> bool | str:
+    """`track_drift` as a conversation keeps it: True (every op's result has `drift`), False (no
+    drift reference) or ``"on_read"``; `InvalidConversationOp` for anything else."""
+    if value is True or value is False or value == DRIFT_ON_READ:
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InvalidConversationOp(f"track_drift={value!r}: use True (drift in every result), False (no drift "
+                                f"reference) or {DRIFT_ON_READ!r} (computed when Conversation.drift is read)")
+
 
 class ConversationPath(str, enum.Enum):
     """What an op did to the conversation's text."""
@@ -163,7 +186,7 @@ class ConversationResult:
     branched_at: int | None = None  # message index where a re-sent history diverged from the stored one
     dropped_runs: int = 0  # pinned runs given up (the history changed at or before them)
     _parts: tuple[Rope, ...] = field(default=(), repr=False)
-    drift_tracked: bool = True  # False: the conversation does not track drift (`drift` is None, not computed)
+    drift_tracked: bool = True  # False: `drift` not computed (None) in this op (track_drift False or "on_read")
     windowed: bool = False  # the new text was rendered from a window of the messages (`toktier.render_window`)
 
     @functools.cached_property
@@ -207,7 +230,7 @@ class ConversationState:
     match: str
     add_generation_prompt: bool
     stop_texts: tuple[str, ...]
-    track_drift: bool
+    track_drift: bool | str
     incremental: bool
     messages: tuple[dict, ...]
     runs: tuple[tuple[int, np.ndarray], ...]
@@ -241,9 +264,10 @@ class Conversation:
     with (e.g. a generation_config's extra eos tokens, spelled out), besides the template's
     eos_token and the tokenizer's added tokens.  `track_drift=False`: no drift reference is kept
     (token-in callers that do not need `drift` save its render and repair on every op); results
-    then have ``drift=None`` and ``drift_tracked=False``.  `incremental=False`: every op renders
-    all messages (the reference behaviour; the default renders appends through a window where the
-    template is checked local, `toktier.render_window`).  `probe_in_background=True`: the first op
+    then have ``drift=None`` and ``drift_tracked=False``.  ``track_drift="on_read"``: results have no
+    drift either; `drift` is computed when read (see the module docstring).  `incremental=False`:
+    every op renders all messages (the reference behaviour; the default renders appends through a
+    window where the template is checked local, `toktier.render_window`).  `probe_in_background=True`: the first op
     that appends a message kind the template's locality probe has not decided yet (per template,
     render arguments and setting: a new tool list is a new probe) renders everything, exactly, and
     the probe (0.1-0.6 s of renders) runs on a background thread, which lets the GIL go before
@@ -255,7 +279,7 @@ class Conversation:
 
     def __init__(self, tokenizer: FrozenTokenizer, template: ChatTemplate | str | None = None, *,
                  match: str = "strict", add_generation_prompt: bool = True, stop_texts: Sequence[str] = (),
-                 full_path: FullPath | None = None, track_drift: bool = True, incremental: bool = True,
+                 full_path: FullPath | None = None, track_drift: bool | str = True, incremental: bool = True,
                  probe_in_background: bool = False, **render_kwargs: Any) -> None:
         reserved = _RESERVED & set(render_kwargs)
         if reserved:
@@ -266,7 +290,7 @@ class Conversation:
         self.template = _resolve_template(tokenizer, template)
         self.match = check_mode(match)
         self.add_generation_prompt = bool(add_generation_prompt)
-        self.track_drift = bool(track_drift)
+        self.track_drift = check_drift_mode(track_drift)
         self.incremental = bool(incremental)
         self.probe_in_background = bool(probe_in_background)
         # A private copy: a caller changing its tools list later must not change renders mid-conversation.
@@ -320,6 +344,13 @@ class Conversation:
         # shadow after c are deferred and the session lags the rope from character `_shadow_lag`.
         self._drift_guard: tuple[int, int] | None = None
         self._shadow_lag: int | None = None
+        # track_drift="on_read": ops leave the drift reference behind; it catches up (one plan and
+        # one edit for every op since) when `drift` is read.  The real messages it was last in
+        # step with (None: in step), whether an op since changed more than the end of the list,
+        # and the earliest token the live IDs changed at since.
+        self._drift_synced: list[dict] | None = None
+        self._drift_full = False
+        self._pending_first = _NEVER
 
     # -- read access -------------------------------------------------------------------------
     @property
@@ -390,7 +421,8 @@ class Conversation:
 
     @property
     def drift_tracked(self) -> bool:
-        return self.track_drift
+        """Whether `drift` is computed (every op's result has it only with ``track_drift=True``)."""
+        return bool(self.track_drift)
 
     @property
     def fast_path(self) -> bool:
@@ -477,7 +509,7 @@ class Conversation:
         prompt = self._tail_text if gp else Rope.of(self._tail_of(self._marked, self._runs, True))
         tail = self._after_run(marked, run)
         shadow = None
-        if self.track_drift:
+        if self.track_drift is True:
             if self._shadow is None:  # no runs yet: the tail is the exact full render
                 shadow = self._plan(self._messages, [recorded, *after], self._tail_text, self._tail_end, None, messages)
             else:
@@ -486,9 +518,10 @@ class Conversation:
 
         # 2. Sessions (in place ones are rebuilt from their old text if a step fails).
         undo: list[tuple[str, Rope]] = [("_tail", self._tail_text)]
+        old_messages, old_end = self._messages, self._tail_end
         try:
             new_shadow = self._shadow
-            if shadow is not None and new_shadow is None:
+            if self.track_drift and new_shadow is None:  # the first run: the tail is the exact full render
                 new_shadow = self._tail.fork()
                 self._shadow_text = self._tail_text  # (restored below on failure)
             base = self._tail_base()
@@ -497,7 +530,8 @@ class Conversation:
             else:
                 res = self._tail.sync(str(prompt))
             new_tail = self._session(str(tail.text))
-            deferred = shadow is not None and new_shadow is self._shadow and self._defers(shadow, base + res.first_changed)
+            deferred = (shadow is not None and new_shadow is self._shadow
+                        and self._defers(shadow, base + res.first_changed))
             if shadow is not None and not deferred:
                 assert new_shadow is not None
                 if new_shadow is self._shadow:
@@ -529,7 +563,11 @@ class Conversation:
         self._set_messages(messages, marked, len(self._messages))
         self._tail, self._tail_text, self._tail_end = new_tail, tail.text, tail.end
         self._all.replace(self._all.n, self._all.n, self._tail.ids)
-        if shadow is not None:
+        if self.track_drift == DRIFT_ON_READ:
+            if self._shadow is None:
+                self._shadow, self._shadow_end = new_shadow, old_end
+            self._left_behind(old_messages, first, full=False)
+        elif shadow is not None:
             if deferred:
                 self._defer(shadow)
             else:
@@ -571,6 +609,8 @@ class Conversation:
         new._shadow_text, new._shadow_end = self._shadow_text, self._shadow_end
         new._equal_upto = self._equal_upto
         new._drift_guard, new._shadow_lag = self._drift_guard, self._shadow_lag
+        new._drift_synced, new._drift_full = self._drift_synced, self._drift_full  # (a list never changed)
+        new._pending_first = self._pending_first
         return new
 
     def state(self) -> ConversationState:
@@ -607,7 +647,7 @@ class Conversation:
             at = end
         if at < len(messages):
             conv.append_messages(messages[at:])
-        conv.track_drift = state.track_drift
+        conv.track_drift = check_drift_mode(state.track_drift)
         # (the replay itself probes inline: one op per run, each a full render while a probe waited)
         conv.probe_in_background = bool(probe_in_background)
         if conv.track_drift and conv._runs:  # as append_generated keeps it: the exact full render of the messages
@@ -643,8 +683,9 @@ class Conversation:
         cut = self._cut(runs[-1]) if runs else None
         tail = self._plan(self._marked, added, old_text, old_end, cut, marked, runs)
         shadow = None
-        if keep and self.track_drift:
+        if keep and self.track_drift is True:
             shadow = self._plan(self._messages, added, self._shadow_text, self._shadow_end, None, merged)
+        old_messages = self._messages
 
         # 2. Sessions.
         undo: list[tuple[str, Rope]] = []
@@ -691,11 +732,14 @@ class Conversation:
         if not keep:  # text-only again: the tail is the exact full render
             self._all, self._shadow, self._shadow_text, self._shadow_end = None, None, _EMPTY, 0
             self._drift_guard = self._shadow_lag = None
+            self._drift_synced, self._drift_full, self._pending_first = None, False, _NEVER
         else:
             assert self._all is not None
             self._all.replace(base + changed, self._all.n, self._tail.ids[changed:])
             self._equal_upto = min(self._equal_upto, first)
-            if shadow is not None:
+            if self.track_drift == DRIFT_ON_READ:
+                self._left_behind(old_messages, first, full=added is None)
+            elif shadow is not None:
                 if deferred:
                     self._defer(shadow)
                 elif shadow_repair is not RepairPath.NOOP:
@@ -792,8 +836,9 @@ class Conversation:
 
     def _result(self, first: int, message: int, path: ConversationPath, repair: RepairPath,
                 branched_at: int | None = None, dropped: int = 0, *, windowed: bool = False) -> ConversationResult:
-        return ConversationResult(self.ids, first, message, self._drift(), path, repair, branched_at, dropped,
-                                  self._parts(), drift_tracked=self.track_drift, windowed=windowed)
+        eager = self.track_drift is True
+        return ConversationResult(self.ids, first, message, self._drift() if eager else None, path, repair,
+                                  branched_at, dropped, self._parts(), drift_tracked=eager, windowed=windowed)
 
     def _parts(self) -> tuple[Rope, ...]:
         # O(1): both ropes are immutable, so a result keeps the text of its op.
@@ -854,6 +899,8 @@ class Conversation:
     def _drift(self) -> int | None:
         if self._shadow is None or self._all is None:
             return None
+        if self._drift_synced is not None:
+            self._catch_up_drift()
         if self._shadow_lag is not None:  # deferred edits: only while the guard of the drift point holds
             assert self._drift_guard is not None
             return self._drift_guard[0]
@@ -865,6 +912,45 @@ class Conversation:
         elif self._drift_guard is None or self._drift_guard[0] != at:
             self._drift_guard = self._guard(at)
         return at
+
+    # -- the drift reference left behind (track_drift="on_read") -------------------------------
+    def _left_behind(self, synced: list[dict], first: int, *, full: bool) -> None:
+        """Note an op that left the drift reference behind: `synced` the real messages before it,
+        `first` the live IDs' first changed token, `full`: not an append at the end of the list."""
+        if self._drift_synced is None:
+            self._drift_synced = synced
+        self._drift_full = self._drift_full or full
+        self._pending_first = min(self._pending_first, first)
+
+    def _catch_up_drift(self) -> None:
+        """Bring the drift reference in step with the messages: the ops since it last was are
+        one plan (appended messages through a window when allowed, else everything rendered and
+        diffed) and one edit, waiting as an eager op's would past a guarded drift point.  A
+        failure (the template refusing the real messages, which the op itself did not render)
+        leaves it behind as it was, and raises."""
+        synced = self._drift_synced
+        assert synced is not None and self._shadow is not None
+        messages = self._messages
+        if not self._drift_full and len(synced) == len(messages):  # only appends of nothing since
+            self._drift_synced, self._pending_first = None, _NEVER
+            return
+        added = None if self._drift_full or len(synced) > len(messages) else messages[len(synced):]
+        plan = self._plan(synced, added, self._shadow_text, self._shadow_end, None, messages)
+        deferred = self._defers(plan, self._pending_first)
+        if not deferred:
+            old = self._shadow_text
+            try:
+                self._catch_up()
+                changed, repair = self._shadow_edit(self._shadow, plan)
+            except BaseException:
+                self._undo([("_shadow", old)])  # (`_catch_up` may have run: rebuilt from the text it lagged)
+                raise
+        if deferred:
+            self._defer(plan)
+        elif repair is not RepairPath.NOOP:
+            self._equal_upto = min(self._equal_upto, changed)
+        self._shadow_text, self._shadow_end = plan.text, plan.end
+        self._drift_synced, self._drift_full, self._pending_first = None, False, _NEVER
 
     # -- the drift reference after the drift point -------------------------------------------
     def _guard(self, d: int) -> tuple[int, int] | None:

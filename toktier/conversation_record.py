@@ -98,7 +98,7 @@ class ConversationRecord(msgspec.Struct, frozen=True, kw_only=True):
     match: str = "strict"
     add_generation_prompt: bool = True
     stop_texts: list[str] = []
-    track_drift: bool = True
+    track_drift: bool | str = True  # True, False or "on_read" (`toktier.conversation.check_drift_mode`)
     incremental: bool = True
     messages: list[dict[str, Any]] = []
     runs: list[tuple[int, bytes]] = []

@@ -235,6 +235,54 @@ def test_track_drift_off_keeps_no_reference(sc, toks):
             c.conversation("bad", tokenizer="qwen3", incremental=False)  # the core's own parameter
 
 
+def test_track_drift_on_read_computes_drift_when_asked(sc, toks):
+    """``track_drift="on_read"`` on the wire is the core's: results without drift, the same IDs,
+    and ``drift()`` (ConvDrift) equal to an eagerly tracking in-process twin's drift after any
+    number of ops, without changing the seq or ending the last result's view; a drift read
+    that fails (the template refusing a real message the marker stood for) is typed and leaves
+    the conversation serving; a fork carries the reference left behind; the mode is one of the
+    options an attach must repeat; a track_drift=False conversation answers None."""
+    tok = toks["llama3"]
+    source = ("{% for m in messages %}{% if m.role == 'assistant' and 'boom' in m.content %}"
+              "{{ raise_exception('no boom here') }}{% endif %}<{{ m.role }}>{{ m.content }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    eager = toktier.Conversation(tok, chat.ChatTemplate(source, {"eos_token": "<|eot_id|>"}))
+    split = [i for ch in " split reply" for i in tok.encode(ch).tolist()] + tok.encode("<|eot_id|>").tolist()
+    with Client(sc.path) as c:
+        h = c.conversation("onread", tokenizer="llama3", template=source, track_drift="on_read")
+        assert h.last.drift_tracked is False and h.drift() is None
+        same(h.append_messages([{"role": "user", "content": "hi"}]), eager.append_messages([{"role": "user",
+                                                                                               "content": "hi"}]))
+        for turn in range(4):
+            ids = tok.encode(f" answer {turn}<|eot_id|>").tolist() if turn % 2 else split
+            r = h.append_generated(ids, then=[{"role": "tool", "content": f"result {turn}"}])
+            want = eager.append_generated(ids, then=[{"role": "tool", "content": f"result {turn}"}])
+            assert r.ids.tolist() == want.ids.tolist() and r.drift is None and not r.drift_tracked
+            if turn % 2:  # read after two ops: one catch-up for both
+                assert h.drift() == want.drift is not None
+                assert r.valid and h.last.seq == r.seq  # nothing changed
+        with pytest.raises(E.SessionConflict):
+            c.conversation("onread", tokenizer="llama3", template=source)  # track_drift differs
+        g = h.fork("onread-fork")
+        assert g.last.drift is None and g.drift() == eager.drift
+        twin = eager.fork()  # (an eager twin would refuse the op below)
+        twin.track_drift = False
+        r = h.append_generated(tok.encode(" boom<|eot_id|>"))  # the op renders the marker: served
+        assert r.ids.tolist() == twin.append_generated(tok.encode(" boom<|eot_id|>")).ids.tolist()
+        for _ in range(2):
+            with pytest.raises(E.ChatTemplateError, match="no boom"):
+                h.drift()
+        assert r.valid
+        h.rollback(r.messages - 1)
+        assert h.drift() == eager.drift
+        with pytest.raises(ValueError, match="on_read"):
+            c.conversation("bad", tokenizer="llama3", track_drift="sometimes")
+        off = c.conversation("off", tokenizer="llama3", track_drift=False)
+        off.append_messages([{"role": "user", "content": "hi"}])
+        off.append_generated(split)
+        assert off.drift() is None
+
+
 def test_then_is_checked_like_appended_messages(start_sidecar, toks):
     """Bad `then` messages are refused before anything changes: not JSON-able (bad_request), too
     big for the server (too_large); the conversation is as before and goes on."""
@@ -551,6 +599,9 @@ REQUESTS = [
     P.ConvFork(id=6, conversation="c", new="d", expect_seq=2),
     P.ConvRollback(id=7, conversation="c", n_messages=0),
     P.ConvClose(id=8, conversation="c"),
+    P.ConvOpen(id=9, conversation="c", track_drift="on_read"),
+    P.ConvOpen(id=10, conversation="c", track_drift=False),
+    P.ConvDrift(id=11, conversation="c", expect_seq=3),
 ]
 
 
@@ -570,6 +621,12 @@ def test_replies_round_trip_and_old_fields_default():
                                       "first_changed": 0, "tokenizer": "h"})
     got = P.REPLY_DECODER.decode(minimal)
     assert (got.drift, got.first_changed_message, got.chars, got.messages) == (None, 0, 0, 0)
+    for drift in (None, 5):
+        reply = P.ConvDriftIs(id=2, drift=drift, seq=7, drift_tracked=drift is not None)
+        assert P.REPLY_DECODER.decode(P.encode_frame(reply)[4:]) == reply
+    with pytest.raises(msgspec.ValidationError, match="track_drift"):
+        P.REQUEST_DECODER.decode(msgspec.msgpack.encode({"t": "conv_open", "id": 1, "conversation": "c",
+                                                         "track_drift": "sometimes"}))
     assert P.StatsReply(id=1, sessions=0, bytes_held=0, shm_bytes=0, shm_segments=0, opened=0, closed=0, misses=0,
                         evictions={}, connections=0, uptime_s=0.0).conversations == 0
 

@@ -56,7 +56,8 @@ class ConversationResult:
     for ``ids[:first_changed]``); ``first_changed_message``: the first message whose tokens
     changed; ``drift``: the first token where the IDs differ from the exact re-render and
     re-tokenization of the messages (None when equal: only sampled IDs can drift; always None
-    when ``drift_tracked`` is False, the conversation opened with ``track_drift=False``);
+    when ``drift_tracked`` is False: the conversation opened with ``track_drift=False``, or with
+    ``"on_read"``, whose drift the handle's ``drift()`` computes);
     ``chars``: the rendered text's length in code points; ``messages``: messages held."""
 
     ids: np.ndarray
@@ -125,7 +126,8 @@ class ConversationState:
 
     def __init__(self, conversation_id: str, tokenizer: str, *, template: str | None,
                  template_kwargs: dict[str, Any], match: P.MatchMode, add_generation_prompt: bool,
-                 stop_texts: Sequence[str] = (), owner_uid: int | None = None, track_drift: bool = True) -> None:
+                 stop_texts: Sequence[str] = (), owner_uid: int | None = None,
+                 track_drift: bool | str = True) -> None:
         self.conversation_id = conversation_id
         self.tokenizer = tokenizer  # as the caller named it (name or hash)
         self.tokenizer_hash = ""  # learned from the first reply
@@ -136,7 +138,10 @@ class ConversationState:
         if isinstance(stop_texts, str):
             raise TypeError("stop_texts is a list of strings, not one string")
         self.stop_texts = list(stop_texts)
-        self.track_drift = bool(track_drift)
+        if track_drift not in (True, False, "on_read") or not isinstance(track_drift, (bool, str)):
+            raise ValueError(f"track_drift={track_drift!r}: use True (drift in every result), False (no drift "
+                             "reference) or 'on_read' (computed by drift())")
+        self.track_drift: bool | str = track_drift
         self.owner_uid = owner_uid  # the server's verified uid: every mapped segment must be its
         self.seq = -1  # unknown until the first reply
         self.closed = False
@@ -174,6 +179,15 @@ class ConversationState:
         reply = yield P.ConvFork(id=next_id(), conversation=self.conversation_id, new=new_id, expect_seq=self.seq,
                                  op_key=new._op_key())
         return new, new._accept(reply)
+
+    def drift(self, next_id: Callable[[], int]) -> Flow[int | None]:
+        """The conversation's drift now (``ConvDrift``); the IDs and the seq do not change."""
+        try:
+            reply = yield P.ConvDrift(id=next_id(), conversation=self.conversation_id, expect_seq=self.seq)
+        except (SessionMiss, SessionConflict):
+            self._end_lease()  # the sidecar's conversation is not the state this client last saw
+            raise
+        return expect(reply, P.ConvDriftIs).drift
 
     def close(self, next_id: Callable[[], int]) -> Flow[bool]:
         """Close the conversation in the sidecar; True if it existed."""
@@ -303,6 +317,13 @@ class ConversationHandle(_View):
         handle.last = result
         return handle
 
+    def drift(self) -> int | None:
+        """The first token where the IDs differ from the exact re-render of the messages (None:
+        equal, or the conversation opened with ``track_drift=False``).  With
+        ``track_drift="on_read"`` this is where the sidecar computes it, for every op since the
+        last read at once (ops' results then carry none).  Changes nothing: ``last`` stays valid."""
+        return self._client.run(self._state.drift(self._client.next_id))
+
     def close(self) -> bool:
         """Close the conversation in the sidecar; True if it existed."""
         return self._client.run(self._state.close(self._client.next_id))
@@ -349,6 +370,11 @@ class AsyncConversationHandle(_View):
         handle = AsyncConversationHandle(self._client, state)
         handle.last = result
         return handle
+
+    async def drift(self) -> int | None:
+        """See :meth:`ConversationHandle.drift`."""
+        async with self._lock:
+            return await self._client.run(self._state.drift(self._client.next_id))
 
     async def close(self) -> bool:
         async with self._lock:

@@ -301,7 +301,7 @@ class AsyncClient:
         add_generation_prompt: bool = True,
         stop_texts: Sequence[str] = (),
         create_only: bool = False,
-        track_drift: bool = True,
+        track_drift: bool | str = True,
         **template_kwargs: object,
     ) -> AsyncConversationHandle:
         """asyncio twin of :meth:`toktier_client.Client.conversation`."""

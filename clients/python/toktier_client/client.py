@@ -253,7 +253,7 @@ class Client:
         add_generation_prompt: bool = True,
         stop_texts: Sequence[str] = (),
         create_only: bool = False,
-        track_drift: bool = True,
+        track_drift: bool | str = True,
         **template_kwargs: object,
     ) -> ConversationHandle:
         """Open (or attach to) a conversation: chat messages in, exact token IDs out
@@ -264,7 +264,8 @@ class Client:
         ``stop_texts``: extra strings a generation may stop with.  ``create_only`` refuses an
         existing conversation (``SessionConflict``).  ``track_drift=False``: no drift reference
         is kept (results' ``drift`` is None, ``drift_tracked`` False; token-in ops cost about
-        half).  The handle's ``last`` is the conversation's current state."""
+        half); ``"on_read"``: ops cost the same, and the handle's ``drift()`` computes it.  The
+        handle's ``last`` is the conversation's current state."""
         state = ConversationState(
             conversation_id, tokenizer, template=template, template_kwargs=dict(template_kwargs), match=match,
             add_generation_prompt=add_generation_prompt, stop_texts=stop_texts, owner_uid=self.server_uid,

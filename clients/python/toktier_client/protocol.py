@@ -97,6 +97,8 @@ CacheLayer = Literal["l0", "l1", "miss", "off"]
 #: How a conversation compares the messages it is sent with those it holds (``toktier.Conversation``'s
 #: ``match``): ``strict``; ``loose_tool_call`` (tool-call arguments compared as JSON); ``role_content_only``.
 MatchMode = Literal["strict", "loose_tool_call", "role_content_only"]
+#: ConvOpen.track_drift: True (drift in every result), False (none) or "on_read" (ConvDrift computes it).
+DriftMode = Union[bool, Literal["on_read"]]
 #: One chat message as a template sees it: ``role`` plus any JSON-able fields.
 Message = dict[str, Any]
 
@@ -274,7 +276,10 @@ class ConvOpen(_Msg, tag="conv_open"):
     tokenizer's added tokens).  ``create_only`` refuses with ``session_conflict`` when the
     conversation exists.  ``track_drift=False`` keeps no drift reference (the exact re-render of
     the messages, repaired on every op): results then have ``drift=None`` and
-    ``drift_tracked=False``, and token-in ops cost about half as much.
+    ``drift_tracked=False``, and token-in ops cost about half as much.  ``track_drift="on_read"``
+    keeps the reference but brings it up to date only when :class:`ConvDrift` asks (one
+    repair for all the ops since): results have ``drift=None`` and ``drift_tracked=False``, ops
+    cost what they cost without it, and ``ConvDrift`` answers what every op's ``drift`` would.
 
     Conversation ids are their own namespace (per peer, as session ids are): a session and a
     conversation may share an id.  ``Close`` closes sessions; ``ConvClose`` conversations."""
@@ -289,7 +294,7 @@ class ConvOpen(_Msg, tag="conv_open"):
     stop_texts: list[str] = []
     create_only: bool = False
     op_key: str = ""
-    track_drift: bool = True
+    track_drift: DriftMode = True
 
 
 class ConvAppendMessages(_Msg, tag="conv_append_messages"):
@@ -350,6 +355,18 @@ class ConvRollback(_Msg, tag="conv_rollback"):
     op_key: str = ""
 
 
+class ConvDrift(_Msg, tag="conv_drift"):
+    """Read the conversation's drift now (``toktier.Conversation.drift``): answered with
+    :class:`ConvDriftIs`.  Changes nothing the client sees (the seq stays); with
+    ``track_drift="on_read"`` the sidecar brings the drift reference up to date here, which may
+    fail as the ops it skipped would have (``chat_template_error``: the template refused a real
+    message that a generated turn's marker stood for).  ``expect_seq`` as for the other ops."""
+
+    id: int
+    conversation: str
+    expect_seq: int = -1
+
+
 class ConvClose(_Msg, tag="conv_close"):
     """Close a conversation and unlink its segment; answered with ``Closed``."""
 
@@ -358,10 +375,10 @@ class ConvClose(_Msg, tag="conv_close"):
 
 
 Request = Union[Hello, Open, Append, Edit, Sync, Encode, Close, Stats, ListTokenizers, Ping, Release, ConvOpen,
-                ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback, ConvClose]
+                ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback, ConvDrift, ConvClose]
 SESSION_OPS = (Open, Append, Edit, Sync, Close)
 CONVERSATION_OPS = (ConvOpen, ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback,
-                    ConvClose)
+                    ConvDrift, ConvClose)
 
 # ---------------------------------------------------------------------- replies
 
@@ -488,7 +505,17 @@ class ConvIds(_Msg, tag="conv_ids"):
     drift_tracked: bool = True
 
 
-Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Pong, Error, ConvIds]
+class ConvDriftIs(_Msg, tag="conv_drift_is"):
+    """The answer to :class:`ConvDrift`: ``drift`` (None: the IDs equal the exact re-render, or
+    ``drift_tracked`` is False: the conversation opened with ``track_drift=False``) at ``seq``."""
+
+    id: int
+    drift: int | None
+    seq: int
+    drift_tracked: bool = True
+
+
+Reply = Union[Welcome, Ids, Closed, TokenizerList, StatsReply, Pong, Error, ConvIds, ConvDriftIs]
 
 REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
 REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
