@@ -28,8 +28,8 @@ O(1) (joined on first access of `.text`).
 Atomic ops: an op computes every render first, then edits the sessions (one edited in place is
 rebuilt from its old text if a later step fails: a text segment's IDs are the reference encoding
 of its text), then commits the new state; a failed op leaves the conversation as it was, so a
-retry applies once.  `messages` are read-only views frozen once when stored (equal to the plain
-dicts; copies are plain); `num_messages` and `num_chars` cost O(1); `fast_path = False` makes every
+retry applies once.  `messages` are read-only views, each frozen once, on first read (equal to the
+plain dicts, which are copies of the caller's; copies are plain); `num_messages` and `num_chars` cost O(1); `fast_path = False` makes every
 internal session take the full path (the shadow verifier's switch).
 
 Token-in-token-out: the definition
@@ -308,7 +308,7 @@ class Conversation:
         self._scheme = 0  # the head scheme of the last windowed append (`render_window.window`)
         # The messages as rendered (plain dicts, never mutated), the same with every pinned run's
         # message replaced by its marker (what the text segments are cut from), and read-only views
-        # for callers (frozen once, when a message is stored).
+        # for callers of the first len(_views) of them (the rest are frozen when `messages` is read).
         self._messages: list[dict] = []
         self._marked: list[dict] = []
         self._views: list[Mapping[str, Any]] = []
@@ -387,10 +387,15 @@ class Conversation:
     @property
     def messages(self) -> tuple[Mapping[str, Any], ...]:
         """The messages as prepared for the template: read-only dicts (nested lists read-only too),
-        frozen once when stored; the tuple is built once per change, not per access.  Copies
+        each frozen once (on the first read after it was stored); the tuple is built once per change,
+        not per access.  Copies
         (`dict(m)`, `copy.deepcopy`) are plain, mutable dicts and lists."""
         if self._views_tuple is None:
-            self._views_tuple = tuple(self._views)
+            # Frozen on first read, not per op: the stored dicts never change, so a view made now
+            # equals one made when the message was stored (an RL loop may never read them).
+            views, stored = self._views, self._messages
+            views += [_frozen(m) for m in stored[len(views):]]
+            self._views_tuple = tuple(views)
         return self._views_tuple
 
     @property
@@ -825,8 +830,7 @@ class Conversation:
 
     def _set_messages(self, messages: list[dict], marked: list[dict], d: int) -> None:
         """Store `messages` (the first `d` are the stored ones) and their marked twins and views."""
-        del self._views[d:]
-        self._views += [_frozen(m) for m in messages[d:]]
+        del self._views[d:]  # (views of messages[d:] are made when `messages` is read)
         self._views_tuple = None
         for where in self._roles.values():
             del where[bisect.bisect_left(where, d):]
