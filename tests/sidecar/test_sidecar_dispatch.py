@@ -27,7 +27,7 @@ def test_every_request_type_has_one_handler():
                      "Close": None, "Stats": None, "ListTokenizers": None, "Ping": None, "Release": None,
                      "ConvOpen": "bulk", "ConvFork": "bulk", "ConvAppendMessages": "repair",
                      "ConvSetMessages": "repair", "ConvAppendGenerated": "repair", "ConvRollback": "repair",
-                     "ConvClose": None}
+                     "ConvDrift": "repair", "ConvClose": None}
     lanes = {t.__name__ for t, h in HANDLERS.items()
              if h.lane(t(**{f: _dummy(f) for f in t.__struct_fields__})) is not None}
     assert lanes == {"Open", "Append", "Edit", "Sync", "Close"} | {t.__name__ for t in P.CONVERSATION_OPS}
