@@ -420,6 +420,29 @@ def test_both_renders_from_one_where_the_prompt_provably_ends_it(name):
         bound.both([])
 
 
+@pytest.mark.parametrize("counts", [True, False])
+def test_both_reads_the_output_either_way(counts, monkeypatch):
+    """`both` reads a render's output with ``list.extend`` where this interpreter is seen to grow
+    the list one piece at a time meanwhile (CPython does: checked at import), else piece by
+    piece; both ways give the two renders exactly, on every bundled Jinja template."""
+    from toktier import chat as chat_module
+
+    assert chat_module._EXTEND_COUNTS  # (CPython: the fast way is the one that runs)
+    monkeypatch.setattr(chat_module, "_EXTEND_COUNTS", counts)
+    messages = chat.prepare_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}])
+    proven = 0
+    for name in chat.template_names():
+        template = chat.template_for(name)
+        if not isinstance(template, chat.ChatTemplate) or not template._prompt_last:
+            continue
+        bound = template.bind()
+        pair = bound.both(messages)
+        assert pair == (bound(messages, True), bound(messages, False)), name
+        proven += 1
+    assert proven >= 3
+
+
 @pytest.mark.parametrize("name", ["read_in_loop", "no_prompt"])
 def test_both_refuses_a_render_that_tests_the_flag_other_than_once(name):
     """The run-time check behind the static one: forced past it, a template testing the flag

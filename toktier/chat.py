@@ -82,7 +82,7 @@ import hashlib
 import json
 import os
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -281,13 +281,36 @@ class ChatTemplate(Renderer):
                 compiled.environment, {**self._globals, "messages": chat, "tools": tools, "documents": documents,
                                        "add_generation_prompt": flag, **variables},
                 compiled.name, compiled.blocks)
-            for piece in compiled.root_render_func(context):
-                pieces.append(piece)
+            if _EXTEND_COUNTS:  # (the output read in C, not a Python loop a piece)
+                pieces.extend(compiled.root_render_func(context))
+            else:
+                for piece in compiled.root_render_func(context):
+                    pieces.append(piece)
         except Exception as exc:  # as `_render_ready` reports it
             raise ChatTemplateError(f"chat template {self.name!r} failed: {type(exc).__name__}: {exc}") from exc
         if flag.tests != 1:
             return None
         return "".join(pieces), "".join(pieces[: flag.at])
+
+
+def _extend_counts_as_it_goes() -> bool:
+    """Whether ``list.extend(generator)`` grows the list's length one item at a time while the
+    generator runs (CPython does), so that `_PromptFlag` reads the right count from inside the
+    render.  Checked once at import on this interpreter, not assumed."""
+    out: list[str] = []
+    seen: list[int] = []
+
+    def pieces() -> Iterator[str]:
+        yield "a"
+        seen.append(len(out))
+        yield "b"
+        seen.append(len(out))
+
+    out.extend(pieces())
+    return seen == [1, 2] and out == ["a", "b"]
+
+
+_EXTEND_COUNTS = _extend_counts_as_it_goes()
 
 
 class _PromptFlag:
