@@ -29,8 +29,9 @@ Atomic ops: an op computes every render first, then edits the sessions (one edit
 rebuilt from its old text if a later step fails: a text segment's IDs are the reference encoding
 of its text), then commits the new state; a failed op leaves the conversation as it was, so a
 retry applies once.  `messages` are read-only views, each frozen once, on first read (equal to the
-plain dicts, which are copies of the caller's; copies are plain); `num_messages` and `num_chars` cost O(1); `fast_path = False` makes every
-internal session take the full path (the shadow verifier's switch).
+plain dicts, which are copies of the caller's; copies are plain); `num_messages` and `num_chars`
+cost O(1); `fast_path = False` makes every internal session take the full path (the shadow
+verifier's switch).
 
 Token-in-token-out: the definition
 ----------------------------------
@@ -154,7 +155,7 @@ _NEVER = 1 << 62  # "no live change yet" for `_pending_first`
 def check_drift_mode(value: Any) -> bool | str:
     """`track_drift` as a conversation keeps it: True (every op's result has `drift`), False (no
     drift reference) or ``"on_read"``; `InvalidConversationOp` for anything else."""
-    if value is True or value is False or value == DRIFT_ON_READ:
+    if value is True or value is False or (isinstance(value, str) and value == DRIFT_ON_READ):
         return value
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
@@ -267,14 +268,15 @@ class Conversation:
     then have ``drift=None`` and ``drift_tracked=False``.  ``track_drift="on_read"``: results have no
     drift either; `drift` is computed when read (see the module docstring).  `incremental=False`:
     every op renders all messages (the reference behaviour; the default renders appends through a
-    window where the template is checked local, `toktier.render_window`).  `probe_in_background=True`: the first op
-    that appends a message kind the template's locality probe has not decided yet (per template,
-    render arguments and setting: a new tool list is a new probe) renders everything, exactly, and
-    the probe (0.1-0.6 s of renders) runs on a background thread, which lets the GIL go before
-    each split it tries (~0.4 ms apart); later ops use its verdicts (`locality.settle()` waits).  The
-    default probes on the op's own thread, as deterministic callers (tests, offline replays) want;
-    a server should not let one op wait for it.  `render_kwargs` become template variables and
-    arguments (`tools=`, `documents=`, `enable_thinking=`, ...).  Not thread-safe.
+    window where the template is checked local, `toktier.render_window`).
+    `probe_in_background=True`: the first op that appends a message kind the template's locality
+    probe has not decided yet (per template, render arguments and setting: a new tool list is a new
+    probe) renders everything, exactly, and the probe (0.1-0.6 s of renders) runs on a background
+    thread, which lets the GIL go before each split it tries (~0.4 ms apart); later ops use its
+    verdicts (`locality.settle()` waits).  The default probes on the op's own thread, as
+    deterministic callers (tests, offline replays) want; a server should not let one op wait for it.
+    `render_kwargs` become template variables and arguments (`tools=`, `documents=`,
+    `enable_thinking=`, ...).  Not thread-safe.
     """
 
     def __init__(self, tokenizer: FrozenTokenizer, template: ChatTemplate | str | None = None, *,
@@ -388,8 +390,7 @@ class Conversation:
     def messages(self) -> tuple[Mapping[str, Any], ...]:
         """The messages as prepared for the template: read-only dicts (nested lists read-only too),
         each frozen once (on the first read after it was stored); the tuple is built once per change,
-        not per access.  Copies
-        (`dict(m)`, `copy.deepcopy`) are plain, mutable dicts and lists."""
+        not per access.  Copies (`dict(m)`, `copy.deepcopy`) are plain, mutable dicts and lists."""
         if self._views_tuple is None:
             # Frozen on first read, not per op: the stored dicts never change, so a view made now
             # equals one made when the message was stored (an RL loop may never read them).

@@ -375,7 +375,8 @@ class ConvClose(_Msg, tag="conv_close"):
 
 
 Request = Union[Hello, Open, Append, Edit, Sync, Encode, Close, Stats, ListTokenizers, Ping, Release, ConvOpen,
-                ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback, ConvDrift, ConvClose]
+                ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback, ConvDrift,
+                ConvClose]
 SESSION_OPS = (Open, Append, Edit, Sync, Close)
 CONVERSATION_OPS = (ConvOpen, ConvAppendMessages, ConvSetMessages, ConvAppendGenerated, ConvFork, ConvRollback,
                     ConvDrift, ConvClose)
