@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at
 
 cr = pytest.importorskip("bench.conversation_replay")
 
-ENGINES = ("toktier", "render+hf", "render+fastokens", "tito", "tito-full")
+ENGINES = ("toktier", "toktier-onread", "render+hf", "render+fastokens", "tito", "tito-full")
 
 
 @pytest.mark.parametrize("family", sorted(cr.FAMILIES))
@@ -47,6 +47,9 @@ def test_replay_smallest(family):
             assert res["drift"]["tito"][-1][1] == res["first_split_at"]
         if "toktier" in ran:
             assert all(reported == ours for _, reported, ours in res["toktier_drift_reported"])
+        if "toktier-onread" in ran:  # drift read on every checked turn (here: every turn)
+            assert len(res["onread_drift_reported"]) == res["checked"]
+            assert all(read == ours for _, read, ours in res["onread_drift_reported"])
 
 
 def test_conversation_cpu_runs_and_compares_two_trees(capsys):
