@@ -767,7 +767,7 @@ def test_which_conversation_ops_look_a_record_up(start_sidecar, tmp_path, monkey
     sc = start_sidecar(tokenizers=("llama3",), state_dir=str(tmp_path / "state"))
     key = conversation_key(0, "c")
     ops = (P.ConvOpen(id=1, conversation="c"), P.ConvAppendMessages(id=2, conversation="c", messages=[]),
-           P.ConvFork(id=3, conversation="c", new="d"))
+           P.ConvFork(id=3, conversation="c", new="d"), P.ConvDrift(id=5, conversation="c"))
     assert not any(sc.sidecar._restorable(key, req) for req in ops)  # nothing indexed in the directory
     monkeypatch.setattr(sc.sidecar, "state_store", object())  # as if a store were configured
     assert all(sc.sidecar._restorable(key, req) for req in ops)

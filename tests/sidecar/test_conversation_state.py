@@ -253,19 +253,24 @@ def test_conversation_continues_on_another_sidecar(store_server, start_sidecar, 
     assert wait_until(lambda: store.exists(key) == 0)
 
 
-def test_options_survive_the_restart(start_sidecar, tmp_path, toks):
+@pytest.mark.parametrize("track_drift", [False, "on_read"])
+def test_options_survive_the_restart(start_sidecar, tmp_path, toks, track_drift):
     """A restored conversation keeps what it was opened with (template kwargs, track_drift,
-    match...): an attach with the same options finds it, one with other options conflicts."""
+    match...): an attach with the same options finds it, one with other options conflicts; an
+    on-read one answers ``drift()`` as an eager twin does."""
     state = tmp_path / "state"
     sc = start_sidecar(tokenizers=("qwen3",), state_dir=str(state), state_flush_delay=0.01)
     tok = toks["qwen3"]
-    local = toktier.Conversation(tok, track_drift=False, match="loose_tool_call", enable_thinking=False)
-    opts = dict(tokenizer="qwen3", track_drift=False, match="loose_tool_call", enable_thinking=False)
+    local = toktier.Conversation(tok, track_drift=track_drift, match="loose_tool_call", enable_thinking=False)
+    eager = toktier.Conversation(tok, match="loose_tool_call", enable_thinking=False)
+    opts = dict(tokenizer="qwen3", track_drift=track_drift, match="loose_tool_call", enable_thinking=False)
     with Client(sc.path) as c:
         h = c.conversation("opts", **opts)
         same(h.append_messages(FIRST), local.append_messages(FIRST))
         odd = [*tok.encode(" Fo"), *tok.encode("ur"), *tok.encode("<|im_end|>")]
         same(h.append_generated(odd), local.append_generated(odd))
+        eager.append_messages(FIRST)
+        eager.append_generated(odd)
     sc.restart()
     with Client(sc.path) as c:
         again = c.conversation("opts", **opts)
@@ -273,6 +278,9 @@ def test_options_survive_the_restart(start_sidecar, tmp_path, toks):
         with pytest.raises(E.SessionConflict):
             c.conversation("opts", tokenizer="qwen3", match="loose_tool_call", enable_thinking=False)
         same(again.append_messages(MORE), local.append_messages(MORE))
+        eager.append_messages(MORE)
+        assert again.drift() == (eager.drift if track_drift else None)
+        assert track_drift is False or eager.drift is not None  # (the odd split drifts)
 
 
 def test_gpt_oss_conversation_outlives_a_restart(start_sidecar, tmp_path, registry):  # noqa: F811
