@@ -349,6 +349,7 @@ cdef class CoreEngine:
     cdef object _keep
     cdef object _records  # (token_len as given, it and uncertain as built into the records)
     cdef object _seen  # the last (token_len, uncertain) objects `_same_records` found equal
+    cdef uint32_t _n_ids  # ids in the token blob (`e.t.tok_off` has one offset more)
 
     def __cinit__(self):
         self.e = new Engine()
@@ -397,6 +398,7 @@ cdef class CoreEngine:
         self.e.t.vocab_bits = vocab_bits
         self.e.t.tok_off = &to[0]
         self.e.t.tok_blob = &tb[0]
+        self._n_ids = to.shape[0] - 1
         self.e.t.max_piece_lookup = max_piece_lookup
         self.e.t.whole_piece_lookup = whole_piece_lookup
         self.e.nfc = nfc
@@ -552,17 +554,16 @@ cdef class CoreEngine:
         when an id is outside the table or has no bytes (unassigned): the caller's error path says
         which.  Two passes in compiled code: lengths and checks, then one copy a token."""
         cdef const uint32_t[::1] iv = ids
-        cdef const uint32_t[::1] to = self._keep[7]
-        cdef const uint8_t[::1] tb = self._keep[8]
-        cdef const uint8_t* blob = &tb[0]
+        cdef const uint32_t* to = self.e.t.tok_off
+        cdef const uint8_t* blob = self.e.t.tok_blob
         cdef size_t n = iv.shape[0], i
-        cdef uint32_t tid, o, ln, n_off = to.shape[0]
+        cdef uint32_t tid, o, ln, n_ids = self._n_ids
         cdef int64_t total = 0
         cdef bint ok = True
         with nogil:
             for i in range(n):
                 tid = iv[i]
-                if tid >= n_off - 1:  # (not tid + 1: an id of 2**32 - 1 would wrap)
+                if tid >= n_ids:
                     ok = False
                     break
                 ln = to[tid + 1] - to[tid]
@@ -589,18 +590,17 @@ cdef class CoreEngine:
         a session's proof that an NFC family's tokens tile the normalized text, one memcmp a token."""
         cdef const uint32_t[::1] iv = np.ascontiguousarray(ids, dtype=np.uint32)
         cdef const uint8_t[::1] dv = memoryview(data).cast("B") if len(data) else np.zeros(1, np.uint8)
-        cdef const uint32_t[::1] to = self._keep[7]
-        cdef const uint8_t[::1] tb = self._keep[8]
-        cdef const uint8_t* blob = &tb[0]
+        cdef const uint32_t* to = self.e.t.tok_off
+        cdef const uint8_t* blob = self.e.t.tok_blob
         cdef const uint8_t* d = &dv[0]
         cdef int64_t nd = len(data), pos = 0
         cdef size_t n = iv.shape[0], i
-        cdef uint32_t tid, o, ln, n_off = to.shape[0]
+        cdef uint32_t tid, o, ln, n_ids = self._n_ids
         cdef bint ok = True
         with nogil:
             for i in range(n):
                 tid = iv[i]
-                if tid >= n_off - 1:  # (not tid + 1: an id of 2**32 - 1 would wrap)
+                if tid >= n_ids:
                     ok = False
                     break
                 o = to[tid]
