@@ -367,6 +367,8 @@ def test_errors_are_typed_on_the_client(sc, toks):
         other.append_messages([{"role": "user", "content": "from elsewhere"}])
         with pytest.raises(E.SessionConflict):
             h.append_messages([{"role": "user", "content": "stale"}])
+        with pytest.raises(E.SessionConflict):  # a drift read checks the seq too
+            h.drift()
         with pytest.raises(E.SessionConflict):  # attaching with other options
             c.conversation("err", tokenizer="qwen3", enable_thinking=False)
         with pytest.raises(E.SessionConflict):
@@ -391,7 +393,13 @@ def test_errors_are_typed_on_the_client(sc, toks):
             other.append_messages([{"role": "user", "content": "gone"}])
         assert ei.value.reason == "closed" and "conversation 'err'" in str(ei.value)
         with pytest.raises(E.SessionMiss) as ei:
+            other.drift()
+        assert ei.value.reason == "closed"
+        with pytest.raises(E.SessionMiss) as ei:
             c.call(P.ConvAppendMessages(id=c.next_id(), conversation="never", messages=[]))
+        assert ei.value.reason == "unknown"
+        with pytest.raises(E.SessionMiss) as ei:
+            c.call(P.ConvDrift(id=c.next_id(), conversation="never"))
         assert ei.value.reason == "unknown"
         assert c.ping().id > 0  # the connection goes on
 
