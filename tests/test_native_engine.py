@@ -438,6 +438,68 @@ def test_bpe_of_long_pieces_agrees(name):
             assert np.array_equal(tok.native.bpe(text.encode()), tok.engine.encode(text)), text[:20]
 
 
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character HF's byte-level BPE models spell each byte with."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    chars, extra = [], 0
+    for x in range(256):
+        chars.append(chr(x) if x in keep else chr(256 + extra))
+        extra += x not in keep
+    return chars
+
+
+def _reference_piece_answer(tok):
+    """piece bytes -> the reference BPE model's ids for that one piece (no pre-tokenizer)."""
+    eng = tok.engine
+    if hasattr(eng, "_enc"):  # tiktoken: its encoder is asked first, then the merges
+        return eng._enc._encode_single_piece
+    model, chars = eng._tok.model, _gpt2_byte_chars()
+    return lambda b: [t.id for t in model.tokenize("".join(chars[x] for x in b))]
+
+
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_whole_piece_answers_are_the_reference_models_own(name):
+    # A piece of 2-18 bytes that spells one vocab token may be answered by a lookup instead of
+    # merges (engine.hpp, `short_accept`): every such token under whole-piece lookup (tiktoken, HF
+    # `ignore_merges`), and for merges-first models (Qwen, DeepSeek) only the tokens whose own
+    # bytes merge to themselves, marked at load.  The set of tokens the lookup answers must be
+    # exactly those whose one-piece encode by the reference model is that token.
+    tok = get_tokenizer(name)
+    answer = _reference_piece_answer(tok)
+    got = tok.native._core.short_answers()
+    assert np.all(np.diff(got.astype(np.int64)) > 0), "answers are sorted and unique"
+    want = [i for i, b in enumerate(tok.engine.token_bytes)
+            if 2 <= len(b) <= 18 and list(answer(b)) == [i]]
+    assert got.tolist() == want
+    assert len(want) > 0.9 * sum(1 for b in tok.engine.token_bytes if 2 <= len(b) <= 18)
+
+
+def test_tokens_the_merges_never_make_are_merged_not_looked_up(tmp_path, tally):
+    # In the bundled merges-first vocabularies every regular token is its own merges' answer, so
+    # the test above cannot tell "self-spelled only" from "every token".  Here Qwen3's merges lose
+    # the last step of a few common words (the tokens stay in the vocab): the reference then
+    # splits those words, and so must the engine, at load (`short_answers`) and on text.
+    import json
+
+    cfg = json.loads(open(get_tokenizer("qwen3").engine.path, encoding="utf-8").read())
+    model = cfg["model"]
+    gone = {"Ġthe", "Ġand", "ing", "Ġof", "tion"}
+    model["merges"] = [m for m in model["merges"] if "".join(m.split(" ") if isinstance(m, str) else m) not in gone]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(cfg, ensure_ascii=False), encoding="utf-8")
+    tok = toktier.load_tokenizer(str(path), engine="native")
+    ids = {w: model["vocab"][w] for w in gone}
+    answer = _reference_piece_answer(tok)
+    assert all(list(answer(tok.engine.token_bytes[i])) != [i] for i in ids.values())
+    got = set(tok.native._core.short_answers().tolist())
+    assert not got & set(ids.values())
+    text = large_text(20_000, kind="english") + " the and of nation sing thing"
+    check_ids(tok, text, tally)
+    cache = _core.PieceCacheBox()  # a fresh cache: every word is looked up or merged here
+    st, got_ids, _ = tok.native._core.encode(text, cache, False, True)
+    assert st == 0 and np.array_equal(got_ids, tok.engine.encode(text))
+
+
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)
 def test_a_piece_whose_hot_entry_was_just_taken_is_encoded_again(name, tally):
     # The hot front (engine.hpp, `PieceCache::hot`: sets of two ways) is read for a whole batch of

@@ -120,6 +120,7 @@ cdef extern from "engine.hpp" namespace "ttn":
         int64_t hot_entry(const uint8_t* p, uint32_t n)
         size_t n_records()
         void build_short_vocab() except +
+        vector[uint32_t] short_answers() except +
         void build_fast_tables() except +
         void build_records(const uint32_t* token_len, const uint8_t* uncertain, int64_t n_ids,
                            int64_t n_vocab) except +
@@ -680,6 +681,13 @@ cdef class CoreEngine:
     def chunk_threads(self):
         """The most threads a chunked encode runs on (the cores: the caller and the kept helpers)."""
         return Engine.chunk_threads()
+
+    def short_answers(self):
+        """The ids (sorted, uint32) a whole-piece lookup answers for a piece of 2-18 bytes spelling
+        them: every such token under whole-piece lookup, else those whose own bytes merge to
+        themselves (`Engine::mark_self_spelled`; tests)."""
+        cdef vector[uint32_t] ids = self.e.short_answers()
+        return _u32(ids.data(), ids.size())
 
     @property
     def block_scanner(self):

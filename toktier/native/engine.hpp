@@ -613,6 +613,7 @@ class Engine {
       }
       return true;
     };
+    mark_self_spelled();
     run_alpha_L = exact(L, ALPHA);
     run_lower_LO = exact(LO, LOWER);
     build_block();
@@ -690,6 +691,16 @@ class Engine {
   HugeArray<VSlot> short_vocab;
   uint64_t short_mask = 0;
   int short_bits = 0;
+  // A slot's `used`: USED, and SELF_SPELLED when the token's own bytes merge to that one token
+  // (`mark_self_spelled`).  Which slots answer a whole-piece lookup (`short_accept`): every one
+  // under whole-piece lookup (tiktoken, HF `ignore_merges`: the vocab is asked before any merge);
+  // otherwise (HF merges first: Qwen, DeepSeek) only the self-spelled ones, whose answer is the
+  // merges' own answer, computed once at load.  Most words of prose are one such token: a word
+  // the piece cache has not seen costs one lookup instead of ~5 merges of cold pairs (a cold
+  // 16K append of new English: ~1,250 missed words, ~6,700 merges).
+  static constexpr uint8_t USED = 1, SELF_SPELLED = 2;
+  uint8_t short_accept = USED;
+  bool piece_lookup = false;  // some pieces are answered by a vocab lookup (see above)
 
   // One 16-byte record per token id, what the hot paths read per token (the byte length for
   // offsets, the repair lane's flags and spelling check, short tokens' bytes inline): one line
@@ -757,22 +768,49 @@ class Engine {
       v.h = h;
       v.id = id;
       v.len = uint8_t(n);
-      v.used = 1;
+      v.used = USED;
       std::memcpy(v.bytes, t.tok_blob + o, n);
     }
   }
 
-  inline int64_t vocab(uint64_t h, const uint8_t* p, uint32_t n) const {  // h: piece_hash
+  // Mark the short tokens whose own bytes BPE to themselves (`short_accept`); needs the merge
+  // tables (`build_fast_tables` calls it).  Each token's merges run once, by the routines that
+  // serve pieces, so a lookup answers exactly what the merges would.
+  void mark_self_spelled() {
+    piece_lookup = t.whole_piece_lookup;
+    short_accept = t.whole_piece_lookup ? USED : SELF_SPELLED;
+    if (short_vocab.empty() || t.whole_piece_lookup) return;  // (every slot answers: nothing to mark)
+    uint32_t out[SHORT_MAX];
+    for (VSlot& v : short_vocab) {
+      if (!v.used || v.len < 2) continue;
+      const uint32_t k = v.len <= SMALL_MAX && small_keys ? merge_small(v.bytes, v.len, out) : merge_heap(v.bytes, v.len, out);
+      if (k == 1 && out[0] == v.id) v.used |= SELF_SPELLED;
+    }
+    piece_lookup = true;
+  }
+
+  // The ids whose short slot answers a lookup (tests: under merges first, the self-spelled ones)
+  std::vector<uint32_t> short_answers() const {
+    std::vector<uint32_t> ids;
+    for (size_t j = 0; j < short_vocab.size(); ++j)
+      if ((short_vocab[j].used & short_accept) && short_vocab[j].len >= 2) ids.push_back(short_vocab[j].id);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  }
+
+  // The one id a piece is, when a vocab lookup answers it (`short_accept`), else -1.  h: piece_hash
+  inline int64_t vocab(uint64_t h, const uint8_t* p, uint32_t n) const {
     if (int(n) > t.max_piece_lookup) return -1;
     if (n <= SHORT_MAX && !short_vocab.empty()) {
       uint64_t j = (h * GOLDEN) >> (64 - short_bits);
       while (true) {
         const VSlot& v = short_vocab[j];
         if (!v.used) return -1;
-        if (v.h == h && v.len == n && same_bytes(v.bytes, p, n)) return v.id;
+        if (v.h == h && v.len == n && same_bytes(v.bytes, p, n)) return v.used & short_accept ? int64_t(v.id) : -1;
         j = (j + 1) & short_mask;
       }
     }
+    if (!t.whole_piece_lookup) return -1;
     if (n <= QUICK_MAX) h = fnv(p, n);  // (only without a short table)
     uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);
     const uint64_t m = (1ull << t.vocab_bits) - 1;
@@ -868,6 +906,7 @@ class Engine {
       prefetch_line(&short_vocab[(h * GOLDEN) >> (64 - short_bits)]);
       return;
     }
+    if (!t.whole_piece_lookup) return;  // (longer pieces are looked up only under whole-piece lookup)
     uint64_t i = (h * GOLDEN) >> (64 - t.vocab_bits);  // n > QUICK_MAX here: h is FNV-1a
     prefetch_line(t.vocab_keys + i);
     prefetch_line(t.vocab_ids + i);
@@ -878,7 +917,7 @@ class Engine {
   uint32_t bpe_hashed(const uint8_t* p, uint32_t n, uint64_t h, PieceCache& cache, uint32_t* w,
                       bool looked_up = false) const {
     if (n == 1) { *w = t.byte_to_id[p[0]]; return 1; }
-    if (t.whole_piece_lookup && !looked_up) {  // most pieces are one vocab token: no cache entry for them
+    if (piece_lookup && !looked_up) {  // most pieces are one vocab token: no cache entry for them
       int64_t id = vocab(h, p, n);
       if (id >= 0) { *w = uint32_t(id); return 1; }
     }
@@ -906,6 +945,30 @@ class Engine {
     const size_t base = out.size();
     out.resize(base + n);
     out.resize(base + bpe_hashed(p, n, piece_hash(p, n), cache, out.data() + base));
+  }
+
+  // `vocab`'s short-table probe for a piece of at most SHORT_MAX bytes, hash h, its bytes as
+  // `quick_words` (lo, hi) when it has QUICK_MAX or fewer: the id, or -1
+  inline int64_t short_vocab_id(uint64_t h, uint64_t lo, uint64_t hi, const uint8_t* p, uint32_t n) const {
+    const VSlot* const sv = short_vocab.data();
+    uint64_t j = (h * GOLDEN) >> (64 - short_bits);
+    if (n <= QUICK_MAX) {  // a slot's bytes are zero-padded: two word compares
+      while (true) {
+        const VSlot& v = sv[j];
+        if (!v.used) return -1;
+        uint64_t vlo, vhi;
+        std::memcpy(&vlo, v.bytes, 8);
+        std::memcpy(&vhi, v.bytes + 8, 8);
+        if (v.h == h && v.len == n && ((vlo ^ lo) | (vhi ^ hi)) == 0) return v.used & short_accept ? int64_t(v.id) : -1;
+        j = (j + 1) & short_mask;
+      }
+    }
+    while (true) {
+      const VSlot& v = sv[j];
+      if (!v.used) return -1;
+      if (v.h == h && v.len == n && same_bytes(v.bytes, p, n)) return v.used & short_accept ? int64_t(v.id) : -1;
+      j = (j + 1) & short_mask;
+    }
   }
 
   // BPE of a batch of pieces of `buf` (byte start, length), in order: all hashes first, their
@@ -965,7 +1028,7 @@ class Engine {
         }
         ++n_cold;
         if (PREFETCH) {
-          if (t.whole_piece_lookup) prefetch_vocab(hs[i], n);
+          if (piece_lookup) prefetch_vocab(hs[i], n);
           cache.prefetch(hs[i]);
         }
       }
@@ -1003,7 +1066,7 @@ class Engine {
           // a piece the hot front lacks is often not one vocab token either (an unseen
           // identifier): its piece cache line is read next, so both lines are asked for
           const size_t i = missed[m];
-          if (t.whole_piece_lookup) prefetch_vocab(hs[i], pcs[i].second);
+          if (piece_lookup) prefetch_vocab(hs[i], pcs[i].second);
           cache.prefetch(hs[i]);
         }
       }
@@ -1018,9 +1081,8 @@ class Engine {
     if (scratch.size() < room + 3) scratch.resize(std::max(room + 3, 2 * scratch.size()));
     uint32_t* const w0 = scratch.data();
     uint32_t* w = w0;
-    const bool short_ok = t.whole_piece_lookup && !short_vocab.empty();
+    const bool short_ok = piece_lookup && !short_vocab.empty();
     const uint32_t short_lim = std::min<uint32_t>(SHORT_MAX, uint32_t(std::max(t.max_piece_lookup, 0)));
-    const VSlot* const sv = short_vocab.data();
     for (size_t i = 0; i < pcs.size(); ++i) {
       if (first_tok) first_tok->push_back(uint32_t(base + size_t(w - w0)));
       const uint8_t* p = buf + pcs[i].first;
@@ -1038,31 +1100,8 @@ class Engine {
         }
       }
       uint32_t* const wp = w;
-      bool looked_up = false;
-      int64_t id = -1;
-      if (short_ok && n <= short_lim) {  // `vocab`'s short-table probe, inline
-        uint64_t j = (hs[i] * GOLDEN) >> (64 - short_bits);
-        if (n <= QUICK_MAX) {  // a slot's bytes are zero-padded: two word compares
-          const uint64_t lo = los[i], hi = his[i];
-          while (true) {
-            const VSlot& v = sv[j];
-            if (!v.used) break;
-            uint64_t vlo, vhi;
-            std::memcpy(&vlo, v.bytes, 8);
-            std::memcpy(&vhi, v.bytes + 8, 8);
-            if (v.h == hs[i] && v.len == n && ((vlo ^ lo) | (vhi ^ hi)) == 0) { id = v.id; break; }
-            j = (j + 1) & short_mask;
-          }
-        } else {
-          while (true) {
-            const VSlot& v = sv[j];
-            if (!v.used) break;
-            if (v.h == hs[i] && v.len == n && same_bytes(v.bytes, p, n)) { id = v.id; break; }
-            j = (j + 1) & short_mask;
-          }
-        }
-        looked_up = true;
-      }
+      const bool looked_up = short_ok && n <= short_lim;
+      const int64_t id = looked_up ? short_vocab_id(hs[i], los[i], his[i], p, n) : -1;
       if (id >= 0) *w++ = uint32_t(id);
       else w += bpe_hashed(p, n, hs[i], cache, w, looked_up);
       const uint32_t k = uint32_t(w - wp);
