@@ -438,6 +438,40 @@ def test_bpe_of_long_pieces_agrees(name):
             assert np.array_equal(tok.native.bpe(text.encode()), tok.engine.encode(text)), text[:20]
 
 
+@pytest.mark.parametrize("name", ALL_TOKENIZERS)
+def test_words_no_cache_has_seen_are_merged_exactly(name, tally):
+    # A short encode (a window, an append) of words no piece cache has seen: every one merged
+    # (engine.hpp, `merge_small`), with repeated pairs ("aaaa", "abab": the leftmost of equal
+    # ranks merges first), the same new word twice in one batch, and runs of them between known
+    # words; with a fresh cache, then with it warm.  IDs and offsets equal the reference's.
+    import random
+
+    tok = get_tokenizer(name)
+    rng = random.Random(f"unseen_words:{name}")
+    words = []
+    for k in range(1500):
+        n = rng.randint(2, 15)
+        if k % 5 == 0:
+            w = rng.choice("abxyz") * n
+        elif k % 5 == 1:
+            w = (rng.choice("ab") + rng.choice("cd")) * (n // 2 + 1)
+        else:
+            w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(n))
+        words.append(w)
+        if k % 7 == 0:
+            words.append(w)  # the same new word again, in the same batch
+        if k % 11 == 0:
+            words.append("the")
+    text = " ".join(words)
+    assert len(text) < 32 * 1024  # a short encode (engine.hpp SMALL_ENCODE)
+    want = tok.engine.encode(text)
+    cache = _core.PieceCacheBox()
+    for _ in range(2):
+        st, ids, _ = tok.native._core.encode(text, cache, False, True)
+        assert st == 0 and np.array_equal(ids, want)
+    check_ids(tok, text, tally)
+
+
 def _gpt2_byte_chars() -> list[str]:
     """GPT-2's byte-level alphabet: the character HF's byte-level BPE models spell each byte with."""
     keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
