@@ -119,9 +119,9 @@ cdef extern from "engine.hpp" namespace "ttn":
         @staticmethod
         int64_t hot_entry(const uint8_t* p, uint32_t n)
         size_t n_records()
-        void build_short_vocab() except +
+        void build_short_vocab() except + nogil
         vector[uint32_t] short_answers() except +
-        void build_fast_tables() except +
+        void build_fast_tables() except + nogil
         void build_records(const uint32_t* token_len, const uint8_t* uncertain, int64_t n_ids,
                            int64_t n_vocab) except +
 
@@ -403,8 +403,12 @@ cdef class CoreEngine:
         self.e.t.max_piece_lookup = max_piece_lookup
         self.e.t.whole_piece_lookup = whole_piece_lookup
         self.e.nfc = nfc
-        self.e.build_short_vocab()
-        self.e.build_fast_tables()
+        # Without the GIL: the tables and the self-spelled marks (each short token's merges, ~50 ms
+        # for a merges-first vocabulary) are built on a loader thread while the sidecar's event loop
+        # and other sessions run.
+        with nogil:
+            self.e.build_short_vocab()
+            self.e.build_fast_tables()
         cdef const uint32_t[::1] tl
         cdef const uint8_t[::1] un
         if token_len is not None:  # per-token records: what a window's tokens read, one line each
