@@ -802,13 +802,9 @@ class Engine {
   inline int64_t vocab(uint64_t h, const uint8_t* p, uint32_t n) const {
     if (int(n) > t.max_piece_lookup) return -1;
     if (n <= SHORT_MAX && !short_vocab.empty()) {
-      uint64_t j = (h * GOLDEN) >> (64 - short_bits);
-      while (true) {
-        const VSlot& v = short_vocab[j];
-        if (!v.used) return -1;
-        if (v.h == h && v.len == n && same_bytes(v.bytes, p, n)) return v.used & short_accept ? int64_t(v.id) : -1;
-        j = (j + 1) & short_mask;
-      }
+      uint64_t lo = 0, hi = 0;
+      if (n <= QUICK_MAX) quick_words(p, n, lo, hi);
+      return short_vocab_id(h, lo, hi, p, n);
     }
     if (!t.whole_piece_lookup) return -1;
     if (n <= QUICK_MAX) h = fnv(p, n);  // (only without a short table)
