@@ -29,6 +29,7 @@ from toktier.families import FAMILIES
 from toktier.gpu.pretok_model import split_literals
 from toktier.gpu.tables import bpe_tables
 from toktier.native import _core, certify
+from toktier.token_table import byte_level_alphabet
 from toktier.tools.corpus import chat_wrap, large_text, samples
 from toktier.verifier import Served, Verifier
 
@@ -472,22 +473,13 @@ def test_words_no_cache_has_seen_are_merged_exactly(name, tally):
     check_ids(tok, text, tally)
 
 
-def _gpt2_byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet: the character HF's byte-level BPE models spell each byte with."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
-    chars, extra = [], 0
-    for x in range(256):
-        chars.append(chr(x) if x in keep else chr(256 + extra))
-        extra += x not in keep
-    return chars
-
-
 def _reference_piece_answer(tok):
     """piece bytes -> the reference BPE model's ids for that one piece (no pre-tokenizer)."""
     eng = tok.engine
     if hasattr(eng, "_enc"):  # tiktoken: its encoder is asked first, then the merges
         return eng._enc._encode_single_piece
-    model, chars = eng._tok.model, _gpt2_byte_chars()
+    chars = {b: ch for ch, b in byte_level_alphabet().items()}  # byte -> GPT-2's character for it
+    model = eng._tok.model
     return lambda b: [t.id for t in model.tokenize("".join(chars[x] for x in b))]
 
 
