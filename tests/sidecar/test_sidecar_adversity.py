@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import msgspec
@@ -157,14 +158,26 @@ def test_client_vanishes_mid_request(sidecar, llama3):
         assert len(names) <= 1, names
 
 
-def test_inflight_and_connection_limits(start_sidecar, llama3):
+def test_inflight_and_connection_limits(start_sidecar, llama3, monkeypatch):
     sc = start_sidecar(max_inflight=4, max_connections=2)
+    # Every encode waits at a gate until the test opens it, so no request can finish (and free
+    # its in-flight place) before all ten are read: exactly four admitted, six refused.
+    gate = threading.Event()
+    run_encode = sc.sidecar.service.run_encode
+
+    def gated(tok, text):
+        assert gate.wait(30), "the test never opened the gate"
+        return run_encode(tok, text)
+
+    monkeypatch.setattr(sc.sidecar.service, "run_encode", gated)
     r = Raw(sc.path)
     r.send(b"".join(P.encode_frame(P.Encode(id=i, text="hello " * 20_000)) for i in range(1, 11)))
-    got = r.replies(10, timeout=30)
-    codes = [g.code for g in got if isinstance(g, P.Error)]
-    oks = [g for g in got if isinstance(g, P.Ids)]
-    assert len(got) == 10 and len(oks) >= 4 and set(codes) <= {E.OVERLOADED} and codes
+    refused = r.replies(6, timeout=30)
+    assert [g.code for g in refused] == [E.OVERLOADED] * 6 and sorted(g.id for g in refused) == list(range(5, 11))
+    gate.set()
+    oks = r.replies(4, timeout=30)
+    assert sorted(g.id for g in oks) == [1, 2, 3, 4] and all(isinstance(g, P.Ids) for g in oks)
+    assert all(g.count == len(llama3.encode("hello " * 20_000)) for g in oks)
     for g in oks:
         r.send(P.encode_frame(P.Release(segment=g.segment)))
     with Client(sc.path) as c2:
