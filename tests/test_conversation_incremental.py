@@ -520,6 +520,43 @@ def test_render_window_doctests():
     assert res.attempted >= 2 and res.failed == 0
 
 
+NUMBERED = "{% for m in messages %}[{{ loop.index }}]{{ m.role }}:{{ m.content }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+@pytest.mark.parametrize("scheme", [0, 1])
+def test_the_text_after_a_marker_is_checked_against_the_stored_text(scheme):
+    """The run-time check after a pinned run's marker: a window whose render of the old messages
+    after the marker is not the stored text must be refused (None), whatever the head.  A template
+    numbering its messages renders every message differently from a window; the same append
+    through a local template is exact.  (Nothing else in the suite renders a window that fails
+    this check: the locality probe keeps such templates off the windowed path.)"""
+    mark = "MARKxR0X"
+    old = [{"role": "system", "content": "s"}, *[{"role": r, "content": f"{r} {i}"}
+                                                 for i in range(3) for r in ("user", "assistant")],
+           {"role": "user", "content": "go"}, {"role": "assistant", "content": mark},
+           {"role": "tool", "content": "result"}]
+    new = [{"role": "tool", "content": "more"}, {"role": "user", "content": "next"}]
+
+    def cut(text: str) -> int | None:
+        at = text.find(mark)
+        return None if at < 0 or text.find(mark, at + 1) >= 0 else at + len(mark)
+
+    for source, local in ((NUMBERED, False), (EOT, True)):
+        template = chat.ChatTemplate(source, {"eos_token": "<|endoftext|>"})
+        r = lambda ms, gp: template.render(ms, add_generation_prompt=gp)  # noqa: E731
+        stored = r(old, True)[cut(r(old, True)):]
+        head, ctx = render_window.window(old, 0, None, scheme)
+        assert head and len(ctx) < len(old) and mark in r(ctx[len(head):], False)  # a window holding the marker
+        got = render_window.append(r, old, new, stored, None, True, True, cut, scheme=scheme)
+        truth = r(old + new, True)
+        if local:
+            assert got is not None and got.windowed and stored[:got.start] + got.text == truth[cut(truth):]
+            assert got.end == len(r(old + new, False)) - cut(truth)
+        else:
+            assert got is None
+
+
 def test_state_left_by_the_last_messages_is_probed(tally):
     """Found by the long property run: DeepSeek V3 closes tool outputs at the very end only when
     the loop ends in tool state, which a system message (rendered up front) does not reset, so a

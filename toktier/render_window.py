@@ -33,9 +33,10 @@ Checks, all at run time (any failure: None):
 1. A starts with H, and the window's own text A[len(H):] equals S right before L (the boundary
    messages rendered both ways agree; when they do not, the window is moved one message back,
    WIDER - 1 times at most: a window must not start inside a group the template renders as one,
-   such as Qwen3's consecutive tool turns).  When the window reaches back over a pinned run's marker,
-   the renders are compared from right after the marker instead (what precedes it belongs to
-   earlier segments: Qwen3 renders an empty think block before a *last* assistant turn only).
+   such as Qwen3's consecutive tool turns).  When the window holds a pinned run's marker, the
+   renders are compared from right after the marker instead (what precedes it belongs to
+   earlier segments: Qwen3 renders an empty think block before a *last* assistant turn only):
+   A's text after the marker must be all of S, and H is not rendered (this is tried first).
 2. B and C start with H (the head renders alike); with the generation prompt, B's text after
    the anchor starts with C's.
 
@@ -404,16 +405,6 @@ def _append_all(render: Render, old: list[dict], new: list[dict], stored: Rope, 
         # The boundary disagrees: one message further back, twice at most.
         for head, ctx in (window(old, wider, roles, scheme) for wider in range(WIDER)):
             A = render(ctx, False)
-            H = render(head, False) if head else ""
-            # The window's own text starts where A and H part (H may end with what the template
-            # emits only at the end of a conversation, e.g. DeepSeek closing its tool outputs).
-            if A.startswith(H):
-                h = len(H)
-            elif scheme == 1:
-                h = match_forward(A, 0, H, 0, min(len(A), len(H)))
-            else:
-                continue
-            own = len(A) - h  # the window's own text: A[h:]
             if L is None:
                 G = ""
                 if stored_gp:
@@ -426,6 +417,25 @@ def _append_all(render: Render, old: list[dict], new: list[dict], stored: Rope, 
                 L = n - len(G)
             if not 0 <= L <= n:
                 return None
+            if cut is not None:
+                # Compared from right after the run's marker: when A's text after it is the stored
+                # text, exactly, that is the whole check, wherever the marker falls in the window,
+                # so the head's own render (which only tells where the window's text starts) is
+                # not needed.  A token-in turn's window nearly always holds the last marker.
+                a = cut(A)
+                if a is not None and len(A) - a == L and stored.equals(0, A, a, L):
+                    h, crossing = a, True
+                    break
+            H = render(head, False) if head else ""
+            # The window's own text starts where A and H part (H may end with what the template
+            # emits only at the end of a conversation, e.g. DeepSeek closing its tool outputs).
+            if A.startswith(H):
+                h = len(H)
+            elif scheme == 1:
+                h = match_forward(A, 0, H, 0, min(len(A), len(H)))
+            else:
+                continue
+            own = len(A) - h  # the window's own text: A[h:]
             crossing = cut is not None and (own > L or not head)
             if not crossing:
                 if own > L or (not head and own != L) or not stored.equals(L - own, A, h, own):
