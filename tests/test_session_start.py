@@ -249,8 +249,9 @@ def test_start_writes_into_the_allocators_buffer():
 
 
 def test_large_starts_leave_room_for_the_next_ops():
-    """A large start leaves the restore's headroom, so its first append copies neither buffer; a
-    small one (a conversation's new tail segment) leaves none."""
+    """A large start leaves the restore's headroom (an eighth of its size), so its first appends,
+    a tool result of 16K characters included, copy neither buffer; a small one (a conversation's
+    new tail segment) leaves none."""
     import sys
 
     from toktier.session import PRIME_HEADROOM
@@ -258,11 +259,13 @@ def test_large_starts_leave_room_for_the_next_ops():
     tok = get_tokenizer("llama3")
     small = Session(tok, "a short start " * 50)
     assert len(small._ids.buffer) == max(16, small.num_tokens)
-    text = large_text(300_000, seed=4, kind="english")
-    s = Session(tok, text)
-    assert len(s._ids.buffer) >= s.num_tokens + PRIME_HEADROOM
-    assert sys.getsizeof(s._text) - len(s._text) >= 8 * PRIME_HEADROOM  # the bytearray's spare allocation
-    ids_buf, text_buf = s._ids.buffer, s._text
-    r = s.append(" and one more sentence.")
-    assert s._ids.buffer is ids_buf and s._text is text_buf
-    assert np.array_equal(r.ids, tok.encode(text + " and one more sentence."))
+    for size, delta in ((300_000, " and one more sentence."), (1_000_000, large_text(16_000, seed=6, kind="code"))):
+        text = large_text(size, seed=4, kind="english")
+        s = Session(tok, text)
+        room = max(PRIME_HEADROOM, s.num_tokens // 8)
+        assert len(s._ids.buffer) >= s.num_tokens + room
+        assert sys.getsizeof(s._text) - len(s._text) >= max(8 * PRIME_HEADROOM, len(s._text) // 8)  # spare allocation
+        ids_buf, text_buf = s._ids.buffer, s._text
+        r = s.append(delta)
+        assert s._ids.buffer is ids_buf and s._text is text_buf
+        assert np.array_equal(r.ids, tok.encode(text + delta))
