@@ -5,10 +5,10 @@ code context (untimed), then ``--appends`` appends of that size are timed
 (``time.perf_counter`` around ``Session.append``; the result's ids are a view, no copy).
 Throughput is appended UTF-8 MB (10^6 bytes) per second of append wall time, P50; "first ms"
 is the first append after the session start alone (it pays for any room the start did not
-leave in the session's buffers).  Every
-append's IDs are checked against the reference encode of the whole text.  For scale, the
-same run times fastokens' and gigatoken's encode of the whole new text (their only way to
-serve it; fastokens with its input cache on, array output), P50 over the same calls.
+leave in the session's buffers).  Every append's IDs are checked against the reference encode
+of the whole text.  For scale, the same run times fastokens' and gigatoken's encode of the
+whole new text (their only way to serve it; fastokens with its input cache on, array output),
+P50 over the same calls.
 
 The goal (issue 14): appends of 16K-400K characters at >= 50 MB/s a core.  Appends the full
 path parallelizes (window >= 256K characters) run on every core: their MB/s is per process.
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true")
     args = ap.parse_args(argv)
     bad = 0
-    print(f"{'tokenizer':<12} {'append':>8} {'P50 ms':>8} {'MB/s':>7} {'first ms':>8}  peers (whole-text encode P50 ms)")
+    print(f"{'tokenizer':<12} {'append':>8} {'P50 ms':>8} {'MB/s':>7} {'first ms':>8}  "
+          "peers (whole-text encode P50 ms)")
     for name in args.only or NAMES:
         tok = toktier.load_tokenizer(name)
         peers = [] if args.no_peers else _peers(tok)
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     enc(own)
                     ptimes[label].append(time.perf_counter() - t0)
             peer_txt = "  ".join(f"{label} {np.median(v) * 1e3:.1f}" for label, v in ptimes.items())
-            print(f"{name:<12} {size:>8,} {np.median(times) * 1e3:>8.2f} {np.median(mbs):>7.1f} {times[0] * 1e3:>8.2f}  "
-                  f"{peer_txt}",
+            print(f"{name:<12} {size:>8,} {np.median(times) * 1e3:>8.2f} {np.median(mbs):>7.1f} "
+                  f"{times[0] * 1e3:>8.2f}  {peer_txt}",
                   flush=True)
     return 1 if bad else 0
 
