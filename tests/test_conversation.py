@@ -463,3 +463,22 @@ def test_bound_template_tojson_memo_and_sandbox():
             except ChatTemplateError:
                 continue
             assert "class" not in out and out.strip() in ("", "None"), unsafe
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 3), max_size=1200), data=st.data())
+def test_first_mismatch_is_the_first_difference_from_lo(ids, data):
+    """`conversation._first_mismatch` (the drift compare: one memcmp when equal, else doubling
+    chunks) against a plain scan: a changed id, a shorter or longer twin, any start."""
+    from toktier.conversation import _first_mismatch
+
+    a = np.asarray(ids, dtype=np.uint32)
+    b = a.copy()
+    if len(b) and data.draw(st.booleans()):
+        b[data.draw(st.integers(0, len(b) - 1))] += 1
+    cut = data.draw(st.integers(0, len(b) + 3))
+    b = b[:cut] if cut <= len(b) else np.concatenate([b, np.zeros(cut - len(b), np.uint32)])
+    lo = data.draw(st.integers(0, len(a) + 2))
+    m = min(len(a), len(b))
+    want = next((i for i in range(lo, m) if a[i] != b[i]), None if len(a) == len(b) else m)
+    assert _first_mismatch(a, b, lo) == want

@@ -1190,6 +1190,8 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray, lo: int) -> int | None:
     """First index >= lo where a and b differ (a length difference counts), None if equal.
     Doubling chunks: the work is proportional to how far the answer lies from lo."""
     m = min(len(a), len(b))
+    if lo < m and a[lo:m].tobytes() == b[lo:m].tobytes():
+        lo = m  # the usual answer (an op's new IDs equal the reference's): one memcmp, 0.4-1.2 us
     i, chunk = lo, 256
     while i < m:
         hi = min(m, i + chunk)
