@@ -575,7 +575,8 @@ def test_state_left_by_the_last_messages_is_probed(tally):
 
 def test_rope_equals_the_string_it_stands_for():
     """`render_window.Rope` (the conversation's texts) against plain strings: random edits near
-    and far from the end, joins in between, reads of every kind (seed printed on failure)."""
+    and far from the end, ropes and strs appended (`concat`), joins in between, reads of every
+    kind (seed printed on failure)."""
     import random
 
     for seed in range(200):
@@ -587,7 +588,13 @@ def test_rope_equals_the_string_it_stands_for():
             start = rng.randrange(max(0, len(text) - 6), len(text) + 1) if rng.random() < 0.7 else \
                 rng.randrange(0, len(text) + 1)
             piece = "".join(rng.choice("xyz\u00fc") for _ in range(rng.randrange(0, 6)))
-            text, rope = text[:start] + piece, rope.replace_from(start, piece)
+            if rng.random() < 0.25:  # another rope (of any age) appended, or a str
+                other_rope, other_text = rng.choice(history)
+                if rng.random() < 0.3:
+                    other_rope = other_text = piece
+                text, rope = text + other_text, rope.concat(other_rope)
+            else:
+                text, rope = text[:start] + piece, rope.replace_from(start, piece)
             if rng.random() < 0.2:
                 str(rope)
             history.append((rope, text))

@@ -352,6 +352,32 @@ def test_forks_diverge_like_fresh_conversations(name, tally):
         assert fresh.conv.drift == b.conv.drift
 
 
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3", "glm_special"])
+def test_forks_of_one_prompt_probe_the_junction_once(name, monkeypatch, tally):
+    """Rollouts forked from one prompt share the junction the first of them derives (each one
+    probed the template again: ~0.7 ms), forks of forks too; a fresh conversation derives its
+    own.  Every rollout still follows the definition."""
+    import toktier.conversation as conversation
+
+    calls = []
+    real = conversation.derive_junction
+    monkeypatch.setattr(conversation, "derive_junction", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = Model(name)
+    m.check(m.conv.append_messages([{"role": "system", "content": "shared"}, {"role": "user", "content": "go"}]), tally)
+    for i in range(3):
+        b = Model(name)
+        b.conv, b.runs = m.conv.fork(), list(m.runs)
+        b.check(b.generate(b.sample(f"rollout {i}"), then=[{"role": "tool", "content": f"result {i}"}]), tally)
+        c = Model(name)
+        c.conv, c.runs = b.conv.fork(), list(b.runs)
+        c.check(c.generate(c.sample(f"deeper {i}")), tally)
+    assert len(calls) == 1
+    fresh = Model(name)
+    fresh.check(fresh.conv.append_messages([{"role": "user", "content": "alone"}]), tally)
+    fresh.check(fresh.generate(fresh.sample("own junction")), tally)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("name", sorted(BUNDLED))
 def test_real_chats_with_every_assistant_turn_sampled(name, tally):
     """ShareGPT chats with tool calls woven in: each plain assistant turn is sampled (its canonical IDs

@@ -222,6 +222,13 @@ class Memo:
         self._keep((ids, gp), messages, text)
         return text
 
+    def copy(self, both: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> Memo:
+        """A memo holding the same renders (a fork's: its messages are the same objects), rendering
+        with `both` from now on; the two never share an entry table (each is one conversation's)."""
+        new = Memo(self.size, both)
+        new._entries = dict(self._entries)
+        return new
+
     def _keep(self, key: tuple[tuple[int, ...], bool], messages: list[dict], text: str) -> None:
         if key not in self._entries and len(self._entries) >= self.size:
             del self._entries[next(iter(self._entries))]
@@ -349,6 +356,26 @@ class Rope:
     def endswith(self, suffix: str) -> bool:
         n = len(self)
         return len(suffix) <= n and self.slice(n - len(suffix), n) == suffix
+
+    def concat(self, other: Rope | str) -> Rope:
+        """self + other, sharing both ropes' pieces (cost: the pieces of `other`, not its length;
+        a conversation's first run after a long prompt appends the whole prompt to its prefix)."""
+        if isinstance(other, str):
+            return self.replace_from(len(self), other)
+        if not len(self):
+            return other
+        pieces, node = [], other
+        while node is not None:
+            if node._joined is not None:
+                pieces.append((node._joined, 0, len(node._joined), node._base_width))
+                break
+            pieces.append((node._base, node._lo, node._hi, node._base_width))
+            node = node._prev
+        out = self
+        for base, lo, hi, width in reversed(pieces):
+            if hi > lo:
+                out = Rope(out, base, lo, hi, width)
+        return out
 
     def replace_from(self, start: int, text: str) -> Rope:
         """self[:start] + text, sharing the pieces before `start`."""
