@@ -63,3 +63,13 @@ def test_conversation_cpu_runs_and_compares_two_trees(capsys):
     assert cpu.main(["--families", "llama3_1", "--modes", "text", "--lo", "0", "--hi", "6000", "--ab", root]) == 0
     out = capsys.readouterr().out
     assert "| llama3_1 text |" in out and "ab ÷ this" in out
+
+
+def test_conversation_forks_smallest(capsys):
+    """`bench/conversation_forks.py` at its smallest: every fork equals its unforked twin (the
+    bench's own check), with or without the fastokens peer installed."""
+    from bench import conversation_forks
+
+    assert conversation_forks.main(["--sizes", "20000", "--forks", "2", "--turns", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 20,000 |" in out and "mismatches: 0" in out
