@@ -46,12 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     template = template_for("qwen3")
     stop = tok.encode("<|im_end|>")
     try:  # (the `bench` extra; without it the forks are still timed and checked)
+        from bench.baselines import EngineUnavailable
         from bench.peers import fastokens_factory
 
         peer = fastokens_factory(tok)()
-    except ImportError as exc:
+    except (ImportError, EngineUnavailable) as exc:
         peer = None
-        print(f"NOTE: fastokens is not installed ({exc}); no peer column")
+        print(f"NOTE: the fastokens peer is unavailable ({exc}); no peer column")
     print(f"## forked rollouts — {platform.machine()}, qwen3, {args.forks} forks x {args.turns} turns, "
           f"track_drift={args.track_drift}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; P50 ms")
     print("\n| prompt chars | fork's first turn | later turns | render + fastokens | ratio (first / later) |")
