@@ -165,3 +165,41 @@ def test_span_map_matches_the_normalizer_on_real_text():
     for a, b in zip(raw[norm >= 0][:-1], raw[norm >= 0][1:]):
         if b == a + 1 and norm[b] == norm[a] + 1:
             assert tb[a] == normalized[norm[a]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_compiled_lane_serves_ops_after_every_span(seed, tally):
+    """A session holding spans the normalizer changes (a decomposed file listing up front) still
+    has its appends and edits far after them spliced by the compiled lane (`Session.
+    _lane_after_dirty`: run on the text from a checkpoint past the spans, with the checkpoints
+    shifted), and each op is exact; ops close after the spans, or bringing new ones, take the
+    Python path, exact too.  A wrong shift (a checkpoint off by one byte) makes the lane decline
+    every op, which the count below catches."""
+    rng = random.Random(seed)
+    tok = get_tokenizer("qwen3")
+    names = ["re\u0301sume\u0301.pdf", "cafe\u0301 menu.txt", "nai\u0308ve-bayes.ipynb", "\u212bngstrom.dat"]
+    listing = "".join(f"-rw-r--r--  1 user  staff  {rng.randrange(10**6)} {n}\n" for n in names)
+    text = listing + large_text(30_000, seed=seed, kind="code")
+    s = toktier.Session(tok, text)
+    assert s._dirty
+    lane0, far = s.stats.lane, 0
+    for i in range(40):
+        u = rng.random()
+        piece = large_text(rng.randrange(1, 1500), seed=100 * seed + i, kind="english")
+        if i == 30:  # the lane's share is counted before: from here on new spans come near the end
+            assert s.stats.lane - lane0 >= far * 2 // 3, (s.stats.lane - lane0, far)
+        if i >= 30 and rng.random() < 0.5:
+            piece += rng.choice(NFC_CHANGES)
+        n = s.num_chars
+        if u < 0.5:
+            r = s.append(piece)
+        elif u < 0.9:
+            a = rng.randrange(max(0, n - 3000), n + 1)
+            r = s.edit(a, min(n, a + rng.randrange(20)), piece)
+        else:  # close after the listing
+            a = len(listing) + rng.randrange(200)
+            r = s.edit(a, a + 1, piece[:30])
+        far += u < 0.9
+        assert np.array_equal(r.ids, tok.encode(s.text)), (seed, i, r.path, r.reason)
+        tally(tok, "session")
+    assert s._dirty == _expected_spans(tok, s.text)
