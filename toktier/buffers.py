@@ -15,6 +15,14 @@ import numpy as np
 Allocator = Callable[[int], np.ndarray]
 
 
+def spare_room(n: int, least: int) -> int:
+    """Spare capacity for a buffer of `n` elements just filled whole (a session start, a restore,
+    a conversation's first run or fork): an eighth of it, `least` at least.  Its next ops then fit
+    without copying it (a fixed 4096 tokens made the first 16K append after a 4M-character start
+    copy both of its buffers: 0.58 ms against 0.15)."""
+    return max(least, n >> 3)
+
+
 def _numpy_alloc(capacity: int) -> np.ndarray:
     return np.empty(capacity, dtype=np.uint32)
 

@@ -132,7 +132,7 @@ import numpy as np
 
 from . import chat, render_window
 from .boundaries import stable_char_positions
-from .buffers import GrowableU32
+from .buffers import GrowableU32, spare_room
 from .chat import ChatTemplate
 from .errors import InvalidChatInput, InvalidConversationOp, InvalidTokenIds, JunctionUnavailable
 from .fullpath import FullPath
@@ -558,7 +558,7 @@ class Conversation:
             # Room for this op's run and new tail, and for later turns: a long prompt's first run
             # then copies its IDs once, not again when the tail is appended.
             n = self._tail.num_tokens + len(kept) + new_tail.num_tokens
-            self._all = GrowableU32(capacity=n + max(4096, n >> 3))
+            self._all = GrowableU32(capacity=n + spare_room(n, 4096))
             self._all.assign(self._tail.ids)
         else:
             self._all.replace(first, self._all.n, self._tail.ids[res.first_changed:])
@@ -613,7 +613,7 @@ class Conversation:
         new._tail, new._tail_text, new._tail_end = self._tail.fork(), self._tail_text, self._tail_end
         new._all = None
         if self._all is not None:
-            new._all = GrowableU32(capacity=self._all.n + max(4096, self._all.n >> 3))  # (its next op's room)
+            new._all = GrowableU32(capacity=self._all.n + spare_room(self._all.n, 4096))  # (its next op's room)
             new._all.assign(self._all.view())
         new._shadow = self._shadow.fork() if self._shadow is not None else None
         new._shadow_text, new._shadow_end = self._shadow_text, self._shadow_end

@@ -71,7 +71,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .buffers import Allocator, GrowableU32
+from .buffers import Allocator, GrowableU32, spare_room
 from .errors import InvalidEditRange, InvalidState, InvalidText
 from .families import I
 from .fullpath import FullPath, nfc_form_of
@@ -87,15 +87,6 @@ MAX_EDGE_STEPS = 64  # characters an NFC window edge may move to reach an NFC-in
 MAX_TEXT_BYTES = 1 << 32  # token start offsets are uint32
 PRIME_HEADROOM = 4096  # tokens (and 8x as many text bytes) of spare room in a restored session, at least
 PRIME_SPARE_TEXT = 1 << 18  # from this size a primed text gets spare room (one copy less at its first op)
-
-
-def _spare_room(n_tokens: int, n_bytes: int) -> tuple[int, int]:
-    """(tokens, text bytes) of spare room a big session start or restore gets: an eighth of its
-    size, PRIME_HEADROOM at least.  A fixed 4096 tokens made the first append of more than ~4K
-    characters after a 4M-character start copy both buffers (0.50 ms against 0.11 for the next
-    append of the same size); an eighth holds the first appends of tool results, and the 1.5x
-    growth after it allocates no more than a first append's copy did."""
-    return max(PRIME_HEADROOM, n_tokens >> 3), max(8 * PRIME_HEADROOM, n_bytes >> 3)
 
 
 class RepairPath(str, enum.Enum):
@@ -247,7 +238,9 @@ class Session:
         # the first append after a 4M-character start copied both buffers (1.4 ms) to grow them.
         # A small one (a conversation's new tail segment, every generated turn) gets none: it
         # would hold 16 KiB idle for good once the segment freezes.
-        room, text_room = _spare_room(n, staged.num_bytes) if staged.num_bytes >= PRIME_SPARE_TEXT else (0, 0)
+        big = staged.num_bytes >= PRIME_SPARE_TEXT
+        room = spare_room(n, PRIME_HEADROOM) if big else 0
+        text_room = spare_room(staged.num_bytes, 8 * PRIME_HEADROOM) if big else 0
         self._ids.reserve(n + room)
         self._starts.reserve_for(n + room)
         cp_buf, _ = self._starts.raw()
@@ -368,14 +361,14 @@ class Session:
     def _prime(self, data: bytes, nchars: int, ids: np.ndarray) -> None:
         """Install a state known to be the reference encoding of `data` (with room for the next op's
         tokens and text, so that the first op after a restore does not copy the state again)."""
-        room, text_room = _spare_room(len(ids), len(data))
+        room = spare_room(len(ids), PRIME_HEADROOM)
         self._ids.reserve(len(ids) + room)
         if self._spliceable:
             self._starts.reserve_for(len(ids) + room)
             self._install_offsets(ids, data)
         self._ids.assign(ids)
         if len(data) >= PRIME_SPARE_TEXT:  # allocated with spare room, which `del` keeps (< half of it)
-            text = bytearray(len(data) + text_room)
+            text = bytearray(len(data) + spare_room(len(data), 8 * PRIME_HEADROOM))
             text[: len(data)] = data
             del text[len(data) :]
             self._text = text
@@ -654,6 +647,15 @@ class Session:
         """Normalized-coordinate position of raw byte position `x` (outside every dirty span)."""
         return self._dmap.norm(x)
 
+    def _lane_committed(self, s: int, e: int, data: bytes, dchars: int, first_changed: int, new_n: int,
+                        new_cp: int) -> OpResult:
+        """The result of a splice the compiled lane wrote into the buffers: counts and text updated."""
+        self._ids.n = new_n
+        self._starts.set_count(new_cp)
+        self._finish_text(s, e, data, dchars)
+        self.stats.first_window += 1
+        return OpResult(self._ids.view(), first_changed, RepairPath.FIRST_WINDOW, 0)
+
     def _lane_after_dirty(self, s: int, e: int, data: bytes) -> tuple[int, int, int] | None:
         """The compiled lane's splice for a session holding spans the NFC normalizer changes
         (`_dirty`, which the lane cannot read), when the change lies far enough after all of
@@ -720,22 +722,13 @@ class Session:
                 if mid is not None:  # certified, but a buffer must grow first
                     return self._commit(s, e, data, dchars, _Side(True, k1, 0, q1), _Side(True, k2, 0, q2), mid,
                                         len(data) - (e - s), 0, [])
-                self._ids.n = new_n
-                self._starts.set_count(new_cp)
-                self._finish_text(s, e, data, dchars)
-                self.stats.first_window += 1
-                return OpResult(self._ids.view(), first_changed, RepairPath.FIRST_WINDOW, 0)
+                return self._lane_committed(s, e, data, dchars, first_changed, new_n, new_cp)
         elif lane and self._dirty and self._ids.n and tok.engine_label == "native" and self.full_path.gpu is None:
             self._room_for_tokens(self._ids.n + len(data) // 2 + self.window)
             committed = self._lane_after_dirty(s, e, data)
-            if committed is not None:
-                first_changed, new_n, new_cp = committed
+            if committed is not None:  # (the spans the normalizer changes are all before s: they stay)
                 self.stats.lane += 1
-                self._ids.n = new_n
-                self._starts.set_count(new_cp)
-                self._finish_text(s, e, data, dchars)  # (the spans the normalizer changes are all before s)
-                self.stats.first_window += 1
-                return OpResult(self._ids.view(), first_changed, RepairPath.FIRST_WINDOW, 0)
+                return self._lane_committed(s, e, data, dchars, *committed)
         lx = len(data)
         delta = lx - (e - s)
         nfc = tok.family_info.nfc
