@@ -20,8 +20,8 @@ Shapes (each a `lambda rng, n: str` of about n characters, deterministic from `r
 - base64 (76-column lines), base64-oneline (no newlines); dna (ACGT, 60-column lines),
   dna-oneline (no newlines)
 - thai, khmer, lao (words with no spaces between them, a space every few hundred chars);
-  devanagari (Hindi with matras and viramas, "\u0964" sentence ends); emoji-zwj (ZWJ sequences
-  between short words)
+  devanagari (Hindi with matras and viramas, "\u0964" sentence ends); bengali (vowel signs, the
+  AA sign NFC may compose); emoji-zwj (ZWJ sequences between short words)
 - run-a, run-space, run-digit, run-equals: the whole context one repeated character, appends
   more of the same; prose+run-100k: prose, then a newline and a 100K-character run of "a"
   (n/2 characters below 200K)
@@ -157,13 +157,27 @@ def _no_space_script(words: tuple[str, ...]):
     return make
 
 
-def _devanagari(rng: random.Random, n: int) -> str:
-    out, size = [], 0
-    while size < n:
-        sentence = " ".join(rng.choice(HINDI_WORDS) for _ in range(rng.randrange(5, 13))) + "। "
-        out.append(sentence)
-        size += len(sentence)
-    return "".join(out)[:n]
+# Bengali with vowel signs: AA (U+09BE) is a "maybe" mark for NFC (E + AA composes to O), and
+# the precomposed O and AU (U+09CB, U+09CC) are what NFC text holds.
+BENGALI_WORDS = ("বাংলা", "ভাষা", "আমি", "তুমি", "কোথায়", "বাড়ি", "কাজ", "ভালো", "দেশ", "মানুষ", "সময়", "কথা",
+                 "পানি", "বই", "স্কুল", "শিক্ষক", "ছাত্র", "গৌরব", "রাজ্য", "সরকার")
+
+
+def _sentences(words: tuple[str, ...]):
+    """Words with spaces, 5-12 a sentence, each ended by a danda (Hindi, Bengali)."""
+    def make(rng: random.Random, n: int) -> str:
+        out, size = [], 0
+        while size < n:
+            sentence = " ".join(rng.choice(words) for _ in range(rng.randrange(5, 13))) + "। "
+            out.append(sentence)
+            size += len(sentence)
+        return "".join(out)[:n]
+
+    return make
+
+
+_devanagari = _sentences(HINDI_WORDS)
+_bengali = _sentences(BENGALI_WORDS)
 
 
 _ZWJ = "\u200d"
@@ -220,6 +234,7 @@ SHAPES = {
     "khmer": _no_space_script(KHMER_WORDS),
     "lao": _no_space_script(LAO_WORDS),
     "devanagari": _devanagari,
+    "bengali": _bengali,
     "emoji-zwj": _emoji_zwj,
     "run-a": lambda rng, n: "a" * n,
     "run-space": lambda rng, n: " " * n,
@@ -248,6 +263,7 @@ APPENDS = {
     "base64": lambda rng, n: _base64(rng, n - 1, newlines=False) + "\n",
     "dna": lambda rng, n: _dna(rng, n - 1, newlines=False) + "\n",
     "devanagari": lambda rng, n: " " + _devanagari(rng, n - 1),
+    "bengali": lambda rng, n: " " + _bengali(rng, n - 1),
     "emoji-zwj": lambda rng, n: " " + _emoji_zwj(rng, n - 1),
 }
 

@@ -121,6 +121,76 @@ def nfc_inert_mask(normalize) -> np.ndarray:
     return mask
 
 
+#: Code points below this hold every character with a canonical decomposition or a nonzero
+#: combining class in Python's Unicode database (the last: U+2FA1D, a CJK compatibility ideograph).
+_NORMALIZATION_RANGE = 0x30000
+
+
+def nfc_mark_table(normalize) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled lane's NFC quick check data (``repair.hpp``, `Lane::nfc_stable`): (table,
+    maybe, pairs).
+
+    `table`, uint8[0x110000]: the canonical combining class of a mark NFC leaves alone in canonical
+    order, else 0xFF.  A mark qualifies when NFC leaves it unchanged on its own (no singleton or
+    non-starter decomposition), Python's Unicode database knows it, and the reference engine's own
+    normalizer leaves it unchanged after a private-use character (which composes with nothing).
+    Marks with a nonzero class that are never the second character of a canonical decomposition
+    never compose with what precedes them (NFC_Quick_Check Yes).  The others (`maybe`: Devanagari
+    nukta, Bengali and Tamil vowel signs, combining accents) compose with the character before
+    them exactly when that character is a starter and the two are one of `pairs` (uint64,
+    ``first << 21 | second``, sorted: the canonical decompositions NFC recomposes, by Python's
+    normalizer or the engine's); the lane takes one only right after an NFC-inert character that
+    it does not compose with.  Hangul vowel and trailing jamo compose by arithmetic, not by pairs:
+    they never qualify.
+
+    Then a text of NFC-inert characters (`nfc_inert_mask`) and such marks, each run of marks in
+    nondecreasing class order, is its own NFC (UAX #15's quick check answering yes, its "maybe"
+    answers decided by the character before).  The stability policy that `nfc_inert_mask` relies
+    on makes the classes and decompositions read from Python's older database hold for the
+    engine's newer one.  Inert characters' entries are never read (the lane tests the inert bit
+    first).
+    """
+    import unicodedata
+
+    hangul = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))  # V and T jamo
+    decomposed: list[tuple[int, int]] = []
+    marks: list[tuple[int, int]] = []
+    for cp in range(_NORMALIZATION_RANGE):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        ch = chr(cp)
+        dec = unicodedata.decomposition(ch)
+        if dec and not dec.startswith("<") and len(dec.split()) == 2:
+            first, second = (int(x, 16) for x in dec.split())
+            decomposed.append((first, second))
+        if cp in hangul or unicodedata.category(ch) == "Cn" or unicodedata.normalize("NFC", ch) != ch:
+            continue
+        if unicodedata.category(ch).startswith("M") or unicodedata.combining(ch):
+            marks.append((cp, unicodedata.combining(ch)))
+    seconds = {b for _, b in decomposed}
+    # the lane reads a mark's class from the table for every non-inert mark: a starter mark
+    # (class 0) qualifies only as a "maybe" one (others of class 0 that are not inert are not
+    # certain to be starters NFC leaves alone)
+    kept = [(cp, ccc) for cp, ccc in marks if ccc or cp in seconds]
+    probe = "".join("\ue000" + chr(cp) for cp, _ in kept)
+    if normalize(probe) != probe:
+        kept = [(cp, ccc) for cp, ccc in kept if normalize("\ue000" + chr(cp)) == "\ue000" + chr(cp)]
+    table = np.full(0x110000, 0xFF, dtype=np.uint8)
+    for cp, ccc in kept:
+        table[cp] = ccc
+    maybe = np.array(sorted(cp for cp, _ in kept if cp in seconds), dtype=np.uint32)
+    # pairs NFC recomposes, by either normalizer (an excluded composite stays decomposed)
+    pair_texts = [chr(a) + chr(b) for a, b in decomposed]
+    ref = normalize("\ue000".join(pair_texts)).split("\ue000")
+    if len(ref) != len(pair_texts):
+        ref = [normalize(t) for t in pair_texts]
+    pairs = sorted({(a << 21) | b for (a, b), t, r in zip(decomposed, pair_texts, ref)
+                    if r != t or unicodedata.normalize("NFC", t) != t})
+    for arr in (table,):
+        arr.setflags(write=False)
+    return table, maybe, np.array(pairs, dtype=np.uint64)
+
+
 def probe_table(prober: _Prober, patterns: dict[int, str], *, folds: bool = False,
                 extra: dict[int, Callable[[], np.ndarray]] | None = None,
                 table: np.ndarray | None = None) -> np.ndarray:

@@ -196,12 +196,16 @@ class NativeEngine:
             pairs = np.asarray(fam._tables()[1], dtype=np.uint8)
             if group is None:
                 raise RuntimeError("the family's group table needs a read-only class table")
-            from ..charclass import W
+            from ..charclass import W, nfc_mark_table
+            from ..families import I
 
+            # NFC families: windows holding marks NFC leaves alone (Thai, Devanagari, ...) are
+            # taken too, not only all-inert ones (~50 ms, once per engine)
+            marks, maybe, composes = nfc_mark_table(tok.engine.normalize) if fam.nfc else (None, None, None)
             lane = self._lane = _core.RepairLane(
                 self._core, tok.token_len, tok.table.uncertain.astype(np.uint8), group, pairs,
                 tok.max_token_bytes, [lit.content for lit in tok.engine.literals if lit.content],
-                tok.classes, W)
+                tok.classes, W, marks, I if fam.nfc else 0, maybe, composes)
         return lane
 
     def edit_lane(self, text: bytearray, s: int, e: int, data: bytes, ids: np.ndarray, checkpoints: np.ndarray,

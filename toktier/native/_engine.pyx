@@ -779,6 +779,8 @@ cdef extern from "repair.hpp" namespace "ttn":
         int64_t max_literal
         const uint8_t* classes
         uint8_t w_bit
+        const uint8_t* nfc_marks
+        uint8_t inert_bit
 
     cdef cppclass LaneResult:
         int status
@@ -807,11 +809,14 @@ cdef extern from "repair.hpp" namespace "ttn":
         const Engine* eng
         LaneTables t
         Trie lit_bytes
+        vector[uint64_t] nfc_maybe
+        vector[uint64_t] nfc_pairs
         int edit(const uint8_t* T, int64_t n_old, int64_t s, int64_t e, const uint8_t* data, int64_t n_data,
                  const Cached& C, int64_t wl, int64_t wr, PieceCache& cache, const vector[PieceCache*]& more,
                  LaneResult& res) except + nogil
         cbool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) nogil
         void text_cuts[T](const T* s, int64_t n, int64_t chunk, vector[int64_t]& cuts) except + nogil
+        cbool nfc_stable[T](const T* s, int64_t n)
         void build_fast_len()
 
 
@@ -834,9 +839,12 @@ cdef class RepairLane:
         del self.lane
 
     def __init__(self, CoreEngine core, token_len, uncertain, group, pairs, int max_token_bytes, list literals,
-                 classes=None, int w_bit=0):
+                 classes=None, int w_bit=0, nfc_marks=None, int inert_bit=0, nfc_maybe=None, nfc_pairs=None):
         """`classes` (the tokenizer's uint8 class table) and its whitespace bit `w_bit` let the lane
-        cut big windows into chunks encoded on several threads (`edit_commit` with several caches)."""
+        cut big windows into chunks encoded on several threads (`edit_commit` with several caches).
+        `nfc_marks`, `nfc_maybe`, `nfc_pairs` (NFC families: `charclass.nfc_mark_table`, with the
+        class table's NFC-inert bit `inert_bit`) let it take windows holding marks NFC leaves alone
+        (`Lane::nfc_stable`)."""
         arrays = [np.ascontiguousarray(token_len, dtype=np.uint32), np.ascontiguousarray(uncertain, dtype=np.uint8),
                   np.ascontiguousarray(group, dtype=np.uint8), np.ascontiguousarray(pairs, dtype=np.uint8)]
         if classes is not None:
@@ -845,6 +853,12 @@ cdef class RepairLane:
                 raise ValueError("the class table must have 0x110000 entries and w_bit one of its bits")
         if len(arrays[0]) != len(arrays[1]) or len(arrays[2]) != 0x110000 or len(arrays[3]) == 0:
             raise ValueError("lane tables have the wrong sizes")
+        if nfc_marks is not None:
+            if classes is None or not 0 < inert_bit < 256:
+                raise ValueError("nfc_marks needs the class table and its NFC-inert bit")
+            arrays.append(np.ascontiguousarray(nfc_marks, dtype=np.uint8))
+            if len(arrays[5]) != 0x110000:
+                raise ValueError("nfc_marks must have 0x110000 entries")
         if core.e.n_records() < len(arrays[0]):
             raise ValueError("the engine was built without per-token records (CoreEngine token_len=...)")
         self._keep = [core, arrays]
@@ -865,6 +879,19 @@ cdef class RepairLane:
             cl = arrays[4]
             self.lane.t.classes = &cl[0]
             self.lane.t.w_bit = w_bit
+        cdef const uint8_t[::1] nm
+        if nfc_marks is not None:
+            nm = arrays[5]
+            self.lane.t.nfc_marks = &nm[0]
+            self.lane.t.inert_bit = inert_bit
+            maybe = np.asarray(nfc_maybe if nfc_maybe is not None else [], dtype=np.int64)
+            if len(maybe) and (maybe.min() < 0 or maybe.max() >= 0x110000):
+                raise ValueError("nfc_maybe holds code points")
+            self.lane.nfc_maybe.assign((int(maybe.max()) // 64 + 1) if len(maybe) else 0, 0)
+            for c in maybe.tolist():
+                self.lane.nfc_maybe[c >> 6] |= (<uint64_t>1) << (c & 63)
+            for x in sorted(int(v) for v in (nfc_pairs if nfc_pairs is not None else [])):
+                self.lane.nfc_pairs.push_back(x)
         cdef uint32_t[::1] bs
         longest = 0
         for content in literals:
@@ -893,6 +920,21 @@ cdef class RepairLane:
             else:
                 self.lane.text_cuts[uint32_t](<const uint32_t*>data, n, chunk, cuts)
         return [cuts[i] for i in range(cuts.size())]
+
+    def nfc_stable(self, str text):
+        """Whether the lane takes `text` as its own NFC (`Lane::nfc_stable`, NFC families; the
+        edges are the caller's), or None when the lane has no NFC tables.  For tests: the lane
+        runs it on each window."""
+        if self.lane.t.nfc_marks == NULL:
+            return None
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef int64_t n = PyUnicode_GET_LENGTH(text)
+        if kind == 1:
+            return self.lane.nfc_stable[uint8_t](<const uint8_t*>data, n)
+        if kind == 2:
+            return self.lane.nfc_stable[uint16_t](<const uint16_t*>data, n)
+        return self.lane.nfc_stable[uint32_t](<const uint32_t*>data, n)
 
     def edit(self, text, int64_t s, int64_t e, bytes data, ids, checkpoints, int64_t stride, int64_t wl,
              int64_t wr, PieceCacheBox cache):

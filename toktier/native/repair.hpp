@@ -14,6 +14,10 @@
 //     occurrence, or at its start after a byte that may be non-line-break whitespace);
 //     a window reaching the text's start or end needs no cut on that side;
 //   * the fresh tokens between the cuts must spell the new text between them, byte for byte.
+// NFC families (Qwen3) take a window only when NFC leaves it as it is: its characters inert or
+// marks in canonical order that compose with nothing before them (`Lane::nfc_stable`); with the
+// cuts between inert characters and no span the normalizer changes in the session's text (or the
+// lane running on the text after the last one), the reference then tokenizes the raw new text.
 // Anything else (no run, an NFC-changeable or uncertain-span window, a one-byte run before
 // the change, invalid UTF-8) returns a fallback code, and the Python path runs from scratch:
 // this lane may decline, never decide differently.
@@ -44,6 +48,12 @@ struct LaneTables {
   int64_t max_literal = 0;               // longest literal (bytes); 0 without literals
   const uint8_t* classes = nullptr;      // [0x110000] the tokenizer's class table (tok.classes)
   uint8_t w_bit = 0;                     // its whitespace bit: no chunk cut after whitespace
+  // NFC families: the class table's NFC-inert bit, and per code point the canonical combining
+  // class of a mark NFC leaves alone in canonical order (0xFF: any other character that is not
+  // inert; `charclass.nfc_mark_table`).  Null in an NFC family: the engine's own check declines
+  // every window holding a non-inert character (`Engine::encode`).
+  const uint8_t* nfc_marks = nullptr;
+  uint8_t inert_bit = 0;
 };
 
 // Windows of at least this many bytes are cut into chunks encoded on several threads (the
@@ -256,6 +266,10 @@ class Lane {
   const Engine* eng = nullptr;  // with its token records built (`Engine::build_records`)
   LaneTables t;
   Trie lit_bytes;  // every active literal, over UTF-8 bytes (term = 1)
+  // NFC families (`t.nfc_marks`): a bit per "maybe" mark, and the (first << 21 | second) pairs NFC
+  // composes, sorted (`charclass.nfc_mark_table`)
+  std::vector<uint64_t> nfc_maybe;
+  std::vector<uint64_t> nfc_pairs;
 
   // Per id: its canonical byte length when its record has no flag and it is 1..255 bytes long,
   // else 0 (`build_fast_len`).  128 KB for a 128K vocabulary against 2 MB of records.
@@ -441,8 +455,9 @@ class Lane {
   // The fresh tokens' byte starts in the window, and the proof that they tile it: every id has
   // one fixed span whose canonical length is its byte length (no record flag, else
   // LANE_UNCERTAIN: the Python path proves those by walking the text), and the lengths sum to
-  // the window's bytes.  For a byte-level BPE without a normalizer (the lane declines NFC
-  // windows) that proves the tokens spell the window, as `Session._tiles_exactly` does.  The
+  // the window's bytes.  For a byte-level BPE whose normalizer leaves the window as it is (none,
+  // or NFC on a window `nfc_stable` took) that proves the tokens spell the window, as
+  // `Session._tiles_exactly` does.  The
   // lengths come from `fast_len` (one byte per id, L2-resident): the 16-byte records it
   // summarizes are 2 MB or more, cold after the engine's table reads, and reading one per
   // token was ~40% of a 16K append's lane time (measured 2026-12-02, `bench.append_ab`).
@@ -477,28 +492,73 @@ class Lane {
     return w == nb ? 0 : LANE_TILING;
   }
 
+  // NFC families (`t.nfc_marks`): whether the code points s[0, n) are their own NFC, by the
+  // quick check of UAX #15: every character inert, or a mark NFC leaves alone (`nfc_marks[c]`: its
+  // combining class), the marks of each run in canonical order; a "maybe" mark (`nfc_maybe`) only
+  // right after an inert character it does not compose with (`nfc_pairs`: that character is the
+  // last starter before it, with nothing between).  Why that is all a window needs: the splice's
+  // cuts are stable pairs, which in an NFC family join two inert characters (`Family._group_table`),
+  // so NFC of the new text is NFC of the old text before the left cut (the text is its own NFC
+  // there: the session holds no span the normalizer changes, or the lane runs on the text after
+  // the last one), of the window's text between the cuts (this check: a part of a text that
+  // passes it, cut before inert characters, passes it too) and of the old text after the right cut.
+  // A window reaching the text's start or end needs no cut on that side, and no more than this.
+  // So the reference tokenizes the raw new text, as the lane does.
+  template <class T>
+  bool nfc_stable(const T* s, int64_t n) const {
+    uint8_t last = 0;
+    bool after_inert = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t c = uint32_t(s[i]);
+      if (c < 0x80 || (t.classes[c] & t.inert_bit)) {
+        last = 0;
+        after_inert = true;
+        continue;
+      }
+      const uint8_t ccc = t.nfc_marks[c];
+      if (ccc == 0xFF || (ccc != 0 && ccc < last)) return false;
+      if (c < uint32_t(nfc_maybe.size()) * 64 && (nfc_maybe[c >> 6] >> (c & 63) & 1)) {
+        if (!after_inert) return false;
+        const uint64_t pair = (uint64_t(uint32_t(s[i - 1])) << 21) | c;
+        if (std::binary_search(nfc_pairs.begin(), nfc_pairs.end(), pair)) return false;
+      }
+      last = ccc;
+      after_inert = false;
+    }
+    return true;
+  }
+  bool nfc_stable(const std::vector<uint8_t>& win, const WindowChars& wc) const {
+    if (wc.width == 1) return true;  // ASCII
+    if (wc.width == 2) return nfc_stable(wc.c16.data(), int64_t(wc.c16.size()));
+    return nfc_stable(wc.c32.data(), int64_t(wc.c32.size()));
+  }
+
   // Encode the window: on this thread, or in chunks on several (`more`: extra piece caches).
   int encode_window(const std::vector<uint8_t>& win, const WindowChars& wc, PieceCache& cache,
                     const std::vector<PieceCache*>& more, Scratch& sc, Output& out) const {
-    if (wc.width == 1) return encode_window(win.data(), int64_t(win.size()), true, win, cache, more, sc, out);
-    if (wc.width == 2) return encode_window(wc.c16.data(), int64_t(wc.c16.size()), false, win, cache, more, sc, out);
-    return encode_window(wc.c32.data(), int64_t(wc.c32.size()), false, win, cache, more, sc, out);
+    // (an NFC family's window reaches here only once `nfc_stable` passed: no normalizer check)
+    const bool check_nfc = t.nfc_marks == nullptr;
+    if (wc.width == 1)
+      return encode_window(win.data(), int64_t(win.size()), true, check_nfc, win, cache, more, sc, out);
+    if (wc.width == 2)
+      return encode_window(wc.c16.data(), int64_t(wc.c16.size()), false, check_nfc, win, cache, more, sc, out);
+    return encode_window(wc.c32.data(), int64_t(wc.c32.size()), false, check_nfc, win, cache, more, sc, out);
   }
   template <class T>
-  int encode_window(const T* s, int64_t n, bool ascii, const std::vector<uint8_t>& win, PieceCache& cache,
-                    const std::vector<PieceCache*>& more, Scratch& sc, Output& out) const {
+  int encode_window(const T* s, int64_t n, bool ascii, bool check_nfc, const std::vector<uint8_t>& win,
+                    PieceCache& cache, const std::vector<PieceCache*>& more, Scratch& sc, Output& out) const {
     std::vector<int64_t> cuts;
     const int64_t nb = int64_t(win.size());
     if (!more.empty() && nb >= PARALLEL_MIN_BYTES && t.classes)
       chunk_cuts(s, n, win, std::min<int64_t>(int64_t(more.size()) + 1, nb / CHUNK_MIN_BYTES), cuts);
-    if (cuts.empty()) return eng->encode<T>(s, n, ascii, true, cache, out);
+    if (cuts.empty()) return eng->encode<T>(s, n, ascii, check_nfc, cache, out);
     std::vector<PieceCache*> caches{&cache};
     caches.insert(caches.end(), more.begin(), more.begin() + int64_t(cuts.size()));
     std::vector<Output>& outs = sc.chunk_outs;  // reused: their capacity spares page faults
     std::vector<int64_t>& nbytes = sc.chunk_bytes;
     // starts only where the caller wants them (the lane makes its own in `tile`)
     const bool ws = out.want_starts;
-    const int st = eng->encode_chunks<T>(s, n, ascii, cuts, caches, ws, outs, nbytes);
+    const int st = eng->encode_chunks<T>(s, n, ascii, cuts, caches, ws, outs, nbytes, check_nfc);
     if (st != OK) return st;
     size_t total = out.ids.size();
     for (const Output& o : outs) total += o.ids.size();
@@ -556,6 +616,7 @@ class Lane {
     win.insert(win.end(), data, data + n_data);
     win.insert(win.end(), T + e, T + r);
     if (!decode_window(win.data(), int64_t(win.size()), sc.chars)) return res.status = LANE_BAD_UTF8;
+    if (t.nfc_marks && !nfc_stable(win, sc.chars)) return res.status = LANE_NFC;
     Output& out = sc.out;
     out.ids.clear();
     out.starts.clear();
