@@ -165,3 +165,24 @@ def test_a_mark_after_the_window_that_would_compose_with_an_edit_is_exact():
         at = len(body) + 1
         r = s.edit(at, at + 1, "a")
         assert np.array_equal(r.ids, tok.encode(s.text)), k
+
+
+def test_whole_marked_texts_skip_the_normalizer_and_encode_exactly(monkeypatch):
+    """`NativeEngine.normalized` (session starts, stateless encodes) answers a text that passes
+    the quick check without the reference normalizer (30-90 ms a million characters of Hindi or
+    Bengali), and still asks it about everything else."""
+    tok, _ = _lane()
+    texts = [_script_text(random.Random(seed), 20_000) for seed in range(3)]
+    changed = [t[:5000] + c + t[5000:] for t, c in zip(texts, CHANGES)]
+    for text in texts + changed:
+        assert np.array_equal(tok.native.encode(text), tok.encode(text))
+        assert np.array_equal(toktier.Session(tok, text).ids, tok.encode(text))
+    calls = []
+    real = tok.engine.normalize
+    monkeypatch.setattr(tok.engine, "normalize", lambda text: calls.append(len(text)) or real(text))
+    for text in texts:
+        assert tok.native.normalized(text) is text
+    assert not calls
+    for text in changed:
+        assert tok.native.normalized(text) == unicodedata.normalize("NFC", text)
+    assert len(calls) >= len(changed)

@@ -816,7 +816,7 @@ cdef extern from "repair.hpp" namespace "ttn":
                  LaneResult& res) except + nogil
         cbool commit(const LaneResult& res, Buffers& b, int64_t& first_changed) nogil
         void text_cuts[T](const T* s, int64_t n, int64_t chunk, vector[int64_t]& cuts) except + nogil
-        cbool nfc_stable[T](const T* s, int64_t n)
+        cbool nfc_stable[T](const T* s, int64_t n) nogil
         void build_fast_len()
 
 
@@ -922,19 +922,23 @@ cdef class RepairLane:
         return [cuts[i] for i in range(cuts.size())]
 
     def nfc_stable(self, str text):
-        """Whether the lane takes `text` as its own NFC (`Lane::nfc_stable`, NFC families; the
-        edges are the caller's), or None when the lane has no NFC tables.  For tests: the lane
-        runs it on each window."""
+        """Whether `text` passes the lane's NFC quick check (`Lane::nfc_stable`, NFC families: then
+        NFC leaves it as it is), or None when the lane has no NFC tables.  The lane runs it on each
+        window; `NativeEngine.normalized` on whole texts."""
         if self.lane.t.nfc_marks == NULL:
             return None
         cdef int kind = PyUnicode_KIND(text)
         cdef void* data = PyUnicode_DATA(text)
         cdef int64_t n = PyUnicode_GET_LENGTH(text)
-        if kind == 1:
-            return self.lane.nfc_stable[uint8_t](<const uint8_t*>data, n)
-        if kind == 2:
-            return self.lane.nfc_stable[uint16_t](<const uint16_t*>data, n)
-        return self.lane.nfc_stable[uint32_t](<const uint32_t*>data, n)
+        cdef cbool ok
+        with nogil:  # (a whole text's check: ~1 ms a million characters)
+            if kind == 1:
+                ok = self.lane.nfc_stable[uint8_t](<const uint8_t*>data, n)
+            elif kind == 2:
+                ok = self.lane.nfc_stable[uint16_t](<const uint16_t*>data, n)
+            else:
+                ok = self.lane.nfc_stable[uint32_t](<const uint32_t*>data, n)
+        return ok
 
     def edit(self, text, int64_t s, int64_t e, bytes data, ids, checkpoints, int64_t stride, int64_t wl,
              int64_t wr, PieceCacheBox cache):
