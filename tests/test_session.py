@@ -377,9 +377,12 @@ def test_fast_path_switch_forces_full_and_stays_exact(tally):
 
 def test_char_to_byte_offsets_from_either_end():
     """Edits convert character offsets by scanning from the nearer end, at most 4 bytes a
-    character of distance: every offset of texts of 1- to 4-byte characters, both halves."""
+    character of distance: every offset of texts of 1- to 4-byte characters, both halves, by
+    numpy (`_byte_offset`) and compiled (`char_offset_to_byte`, 128 bytes a step: texts around
+    and across that size)."""
     import random
 
+    from toktier.native import _core
     from toktier.session import _byte_offset
 
     rng = random.Random(1)
@@ -387,6 +390,10 @@ def test_char_to_byte_offsets_from_either_end():
         text = "".join(rng.choice(["a", "é", "中", "😀", "\n", "\r\n"]) for _ in range(rng.randint(0, 2000)))
         buf = bytearray(text.encode())
         near_ends = {*range(min(len(text), 9)), *range(max(0, len(text) - 9), len(text) + 1)}
-        for c in {0, len(text), len(text) // 2, *near_ends, *(rng.randint(0, len(text)) for _ in range(8))}:
-            got = _byte_offset(buf, len(text), c)
-            assert got == len(text[:c].encode()), (c, got)
+        middle = {*range(max(0, len(text) // 2 - 70), min(len(text), len(text) // 2 + 70))}
+        for c in {0, len(text), len(text) // 2, *near_ends, *middle, *(rng.randint(0, len(text)) for _ in range(8))}:
+            want = len(text[:c].encode())
+            assert _byte_offset(buf, len(text), c) == want, c
+            if _core is not None:
+                assert _core.char_offset_to_byte(buf, len(text), c) == want, c
+                assert _core.char_offset_to_byte(bytes(buf), len(text), len(text) + 5) == len(buf)

@@ -546,6 +546,15 @@ class Session:
     def _char_to_byte(self, start: int, end: int) -> tuple[int, int]:
         if self._ascii:
             return start, end
+        if _native is not None:  # compiled: ~10x numpy's temporaries deep inside a long text
+            s = _native.char_offset_to_byte(self._text, self._nchars, start)
+            if end == start:
+                return s, s
+            rest = memoryview(self._text)[s:]  # the end counted on from the start: one long scan, not two
+            try:
+                return s, s + _native.char_offset_to_byte(rest, self._nchars - start, end - start)
+            finally:
+                rest.release()  # (before the text is resized)
         return _byte_offset(self._text, self._nchars, start), _byte_offset(self._text, self._nchars, end)
 
     def _apply(self, s: int, e: int, data: bytes, dchars: int, lane: bool = True) -> OpResult:

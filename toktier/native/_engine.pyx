@@ -768,6 +768,8 @@ cdef int _byte_buffer(object obj, Py_buffer* view) except -1:
 
 
 cdef extern from "repair.hpp" namespace "ttn":
+    int64_t char_byte_offset(const uint8_t* b, int64_t n, int64_t nchars, int64_t c) nogil
+
     cdef cppclass LaneTables:
         const uint32_t* token_len
         const uint8_t* uncertain
@@ -1117,6 +1119,22 @@ cdef class RepairLane:
                 PyBuffer_Release(&bc)
         finally:
             PyBuffer_Release(&bi)
+
+
+def char_offset_to_byte(text, int64_t nchars, int64_t c):
+    """Byte offset of character `c` of `text` (a session's UTF-8 bytearray or bytes, `nchars`
+    characters; its length when c >= nchars), counted from the nearer end (`char_byte_offset`)."""
+    cdef Py_buffer bt
+    cdef int64_t out
+    if c < 0 or nchars < 0:
+        raise ValueError("character offsets are not negative")
+    _byte_buffer(text, &bt)
+    try:
+        with nogil:
+            out = char_byte_offset(<const uint8_t*>bt.buf, bt.len, nchars, c)
+    finally:
+        PyBuffer_Release(&bt)
+    return out
 
 
 def token_start(ids, token_len, checkpoints, int64_t stride, int64_t k):
