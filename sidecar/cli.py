@@ -24,9 +24,12 @@ import uvloop
 from toktier.errors import InvalidCacheConfig
 
 from .config import DEFAULT_TOKENIZER, ServerConfig, default_socket_path
+from .heap import MMAP_THRESHOLD, keep_big_allocations
 from .server import Sidecar
 from .statedir import InsecureStateDir
 from .statestore import InvalidStateStore
+
+log = logging.getLogger("toktier_sidecar.cli")
 
 
 def _size(text: str) -> int:
@@ -139,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest session record stored, e.g. 64M (default 64M: a 16M-character session)")
     p.add_argument("--state-store-timeout", dest="state_store_timeout", type=float,
                    help="seconds a store call may take before it counts as failed (default 2)")
+    p.add_argument("--malloc-retain", dest="malloc_retain", type=_size,
+                   help="freed bytes the heap may keep, with allocations under 32M served from it (renders of "
+                        "megabyte messages otherwise fault their strings in again; default 256M; 0 = glibc's "
+                        "defaults)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -181,12 +188,16 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         except ValueError:
             raise SystemExit(f"tokenizer_cache_l1_max_memory must be bytes or a size like 256M or 1G, "
                              f"not {memory!r}") from None
-    size = values.get("state_store_max_value")
-    if isinstance(size, str):
-        try:
-            values["state_store_max_value"] = _size(size)
-        except ValueError:
-            raise SystemExit(f"state_store_max_value must be bytes or a size like 64M, not {size!r}") from None
+    for name in ("state_store_max_value", "malloc_retain"):
+        size = values.get(name)
+        if isinstance(size, str):
+            try:
+                values[name] = _size(size)
+            except ValueError:
+                raise SystemExit(f"{name} must be bytes or a size like 64M, not {size!r}") from None
+    retain = values.get("malloc_retain", 0)
+    if isinstance(retain, bool) or not isinstance(retain, int) or not 0 <= retain < 1 << 31:
+        raise SystemExit(f"malloc_retain must be bytes in [0, 2G), not {retain!r}")
     try:
         return ServerConfig(**values)  # type: ignore[arg-type]
     except InvalidCacheConfig as exc:
@@ -199,6 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args)
+    why_not = keep_big_allocations(config.malloc_retain)
+    if why_not is None:
+        log.info("heap: allocations under %d MiB from the heap, up to %d MiB of it kept when freed",
+                 MMAP_THRESHOLD >> 20, config.malloc_retain >> 20)
+    else:
+        log.info("heap: default malloc settings (%s)", why_not)
     try:
         sidecar = Sidecar(config)
     except (InsecureStateDir, InvalidStateStore) as exc:

@@ -135,6 +135,10 @@ class ServerConfig:
     state_store_max_value: int = 64 << 20
     #: Seconds one store call may take before it counts as a failure (then a backoff).
     state_store_timeout: float = 2.0
+    #: Freed bytes the process heap may keep instead of returning them to the kernel, with
+    #: allocations under 32 MiB served from the heap (``toktier_sidecar.heap``: renders of
+    #: megabyte messages page-faulted every temporary in again); 0: glibc's defaults.
+    malloc_retain: int = 256 << 20
 
     def __post_init__(self) -> None:
         for name in ("tokenizer_cache_enable_l0", "tokenizer_cache_enable_l1"):

@@ -240,6 +240,53 @@ def test_config_file_and_flags(tmp_path):
         load_config(build_parser().parse_args(["--config", str(bad)]))
 
 
+def test_malloc_retain_flag_and_config():
+    assert load_config(build_parser().parse_args([])).malloc_retain == 256 << 20
+    assert load_config(build_parser().parse_args(["--malloc-retain", "0"])).malloc_retain == 0
+    assert load_config(build_parser().parse_args(["--malloc-retain", "64M"])).malloc_retain == 64 << 20
+    for bad in ("-1", "4G"):
+        with pytest.raises(SystemExit, match="malloc_retain"):
+            load_config(build_parser().parse_args(["--malloc-retain", bad]))
+
+
+_HEAP_PROBE = """
+import ctypes, sys
+from toktier_sidecar.heap import keep_big_allocations
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "on":
+    assert keep_big_allocations(256 << 20) is None
+held = [bytearray(8 << 20) for _ in range(3)]
+mapped = libc.mallinfo2().hblkhd  # bytes in mmap'd blocks
+del held
+kept = libc.mallinfo2().fordblks  # free bytes the heap still holds
+print(mapped, kept)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_keep_big_allocations_serves_them_from_the_heap_and_keeps_them():
+    """With the setting, 8 MB buffers come from the heap (no mmap per buffer) and stay there
+    when freed (the next render or session start reuses them without page faults); without
+    it, glibc maps each one and unmaps it at free.  Each case in its own interpreter."""
+    try:
+        ctypes_ok = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL(None).mallinfo2"],
+                                   capture_output=True).returncode == 0
+    except OSError:
+        ctypes_ok = False
+    if not ctypes_ok:
+        pytest.skip("no mallinfo2 (glibc 2.33+)")
+    out = {}
+    for mode in ("off", "on"):
+        run = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, check=True)
+        out[mode] = [int(x) for x in run.stdout.split()]
+    assert out["off"][0] >= 3 * (8 << 20)  # mapped one by one
+    assert out["on"][0] < 8 << 20 and out["on"][1] >= 3 * (8 << 20)  # from the heap, and kept
+
+
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 def test_systemd_units_verify(tmp_path):
     units = os.path.join(ROOT, "sidecar", "systemd")
