@@ -138,8 +138,8 @@ def test_marked_sessions_go_through_the_lane_and_stay_exact(seed, tally):
 def test_a_mark_that_composes_with_the_text_before_it_is_exact():
     """An append that starts with a mark composing with the session's last character (``e`` +
     acute, Bengali E + AA, NA + nukta), or reorders with its last marks, changes the text the
-    normalizer sees before the append: the lane must decline it (its window's edge is moved
-    back to an inert character, and the mark is checked against it)."""
+    normalizer sees before the append: the lane must decline it (the window holds the text
+    before the append, and the check sees the mark after it)."""
     tok, _ = _lane()
     body = _script_text(random.Random(7), 3000)
     for tail, mark in (("cafe", "\u0301"), (" \u09c7", "\u09be"), (" \u0928", "\u093c"), (" a\u0301", "\u0323"),
@@ -153,9 +153,10 @@ def test_a_mark_that_composes_with_the_text_before_it_is_exact():
 
 def test_a_mark_after_the_window_that_would_compose_with_an_edit_is_exact():
     """An acute accent after a run of dot-below marks (class 220, which does not block it) composes
-    with the run's starter: turning that starter from ``x`` into ``a`` changes the text after the
-    edit's window when the accent lies just past the window's end.  The window's end is moved
-    past the marks to an inert character, so the check sees the accent and its new starter."""
+    with the run's starter: turning that starter from ``x`` into ``a`` changes text after the
+    edit, however many marks lie between.  The splice's right cut is a stable pair of inert
+    characters, so the accent lies between the cuts, in the window the check reads (or the lane
+    finds no cut and declines)."""
     tok, _ = _lane()
     body = _script_text(random.Random(11), 2000)
     for k in range(1, 120, 2):

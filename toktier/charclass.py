@@ -145,10 +145,13 @@ def nfc_mark_table(normalize) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
     Then a text of NFC-inert characters (`nfc_inert_mask`) and such marks, each run of marks in
     nondecreasing class order, is its own NFC (UAX #15's quick check answering yes, its "maybe"
-    answers decided by the character before).  The stability policy that `nfc_inert_mask` relies
-    on makes the classes and decompositions read from Python's older database hold for the
-    engine's newer one.  Inert characters' entries are never read (the lane tests the inert bit
-    first).
+    answers decided by the character before).  Python's Unicode database and the engine's may
+    differ in age either way (the engine here leaves U+11935 U+11930 alone, Python composes
+    them): the stability policy keeps the classes and decompositions of a character both know
+    the same, a character Python does not know never qualifies, and one only the engine does
+    not know is to it a starter that composes with nothing, which splits runs into parts that
+    stay in order and composes nothing the check let through.  Inert characters' entries are
+    never read (the lane tests the inert bit first).
     """
     import unicodedata
 
@@ -186,8 +189,7 @@ def nfc_mark_table(normalize) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ref = [normalize(t) for t in pair_texts]
     pairs = sorted({(a << 21) | b for (a, b), t, r in zip(decomposed, pair_texts, ref)
                     if r != t or unicodedata.normalize("NFC", t) != t})
-    for arr in (table,):
-        arr.setflags(write=False)
+    table.setflags(write=False)
     return table, maybe, np.array(pairs, dtype=np.uint64)
 
 
