@@ -24,7 +24,7 @@ import uvloop
 from toktier.errors import InvalidCacheConfig
 
 from .config import DEFAULT_TOKENIZER, ServerConfig, default_socket_path
-from .heap import MMAP_THRESHOLD, keep_big_allocations
+from .heap import MMAP_THRESHOLD, check_retain, keep_big_allocations
 from .server import Sidecar
 from .statedir import InsecureStateDir
 from .statestore import InvalidStateStore
@@ -195,9 +195,10 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
                 values[name] = _size(size)
             except ValueError:
                 raise SystemExit(f"{name} must be bytes or a size like 64M, not {size!r}") from None
-    retain = values.get("malloc_retain", 0)
-    if isinstance(retain, bool) or not isinstance(retain, int) or not 0 <= retain < 1 << 31:
-        raise SystemExit(f"malloc_retain must be bytes in [0, 2G), not {retain!r}")
+    try:
+        check_retain(values.get("malloc_retain", 0))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     try:
         return ServerConfig(**values)  # type: ignore[arg-type]
     except InvalidCacheConfig as exc:

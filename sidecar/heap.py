@@ -28,12 +28,18 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 
 
+def check_retain(retain: object) -> int:
+    """`retain` as mallopt takes it (an int in [0, 2 GiB)), else ValueError saying so."""
+    if isinstance(retain, bool) or not isinstance(retain, int) or not 0 <= retain < 1 << 31:
+        raise ValueError(f"malloc_retain must be bytes in [0, 2G), not {retain!r}")
+    return retain
+
+
 def keep_big_allocations(retain: int) -> str | None:
     """Apply the settings above; None when applied, else why not (not glibc, or refused).
 
     `retain`: bytes the heap may keep freed at its top (0: leave glibc's defaults alone)."""
-    if isinstance(retain, bool) or not isinstance(retain, int) or not 0 <= retain < 1 << 31:
-        raise ValueError(f"malloc_retain must be bytes in [0, 2 GiB), not {retain!r}")
+    check_retain(retain)
     if retain == 0:
         return "malloc_retain is 0: glibc's defaults"
     name = ctypes.util.find_library("c")

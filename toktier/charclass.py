@@ -68,6 +68,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKTIER_CACHE_DIR") or Path.home() / ".cache" / "toktier")
 
 
+#: Hangul vowel and trailing jamo: they compose with the syllable before them by arithmetic, with
+#: no decomposition entry to show it.
+_HANGUL_VT = frozenset(range(0x1161, 0x1176)) | frozenset(range(0x11A8, 0x11C3))
+
+
 def nfc_inert_mask(normalize) -> np.ndarray:
     """Code points c at which NFC text may be cut: NFC(u + c + v) == NFC(u) + c + NFC(v)'s parts.
 
@@ -84,7 +89,7 @@ def nfc_inert_mask(normalize) -> np.ndarray:
     """
     import unicodedata
 
-    second: set[int] = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    second: set[int] = set(_HANGUL_VT)
     mask = np.zeros(0x110000, dtype=bool)
     first_of: dict[int, int] = {}
     for cp in range(0x110000):
@@ -155,7 +160,6 @@ def nfc_mark_table(normalize) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     import unicodedata
 
-    hangul = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))  # V and T jamo
     decomposed: list[tuple[int, int]] = []
     marks: list[tuple[int, int]] = []
     for cp in range(_NORMALIZATION_RANGE):
@@ -166,7 +170,7 @@ def nfc_mark_table(normalize) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if dec and not dec.startswith("<") and len(dec.split()) == 2:
             first, second = (int(x, 16) for x in dec.split())
             decomposed.append((first, second))
-        if cp in hangul or unicodedata.category(ch) == "Cn" or unicodedata.normalize("NFC", ch) != ch:
+        if cp in _HANGUL_VT or unicodedata.category(ch) == "Cn" or unicodedata.normalize("NFC", ch) != ch:
             continue
         if unicodedata.category(ch).startswith("M") or unicodedata.combining(ch):
             marks.append((cp, unicodedata.combining(ch)))

@@ -102,7 +102,7 @@ def _rewrites(normalize, text: str, starts: list[int], ends: list[int]) -> list[
     return [(a, b, p) for a, b, r, p in zip(starts, ends, raws, parts) if p != r]
 
 
-def nfc_form(tok, text: str, native=None) -> str | None:
+def nfc_form(tok, text: str, native=None, runs: np.ndarray | None = None) -> str | None:
     """`text` as the reference tokenizes it (`nfc_edits` applied: each gap between added-token
     literals NFC-normalized by the engine's own normalizer, the literals kept); `text` itself when
     that changes nothing; None when it is not certain.
@@ -111,11 +111,13 @@ def nfc_form(tok, text: str, native=None) -> str | None:
     reference's encode of `text`.  Certified, not assumed: the literals the native engine finds in
     the result must be the same ones, shifted by the rewrites before them.  `native` as in
     `nfc_edits`; None also without a native engine, and the caller encodes with the reference.
+    `runs`: the engine's `nfc_runs` of `text`, when the caller has them.
     """
     nat = native if native is not None else tok.native
     if nat is None:
         return None
-    runs = nat.nfc_runs(text)
+    if runs is None:
+        runs = nat.nfc_runs(text)
     if not len(runs):
         return text  # (nothing NFC may change: no literal scan either)
     lits = nat.literal_spans(text)

@@ -114,13 +114,14 @@ class NativeEngine:
         its normalizer leaves it as it is; None when the reference must encode it (counted)."""
         from ..nfc_spans import nfc_form
 
+        runs = self.nfc_runs(text)
         lane = self._lane
-        if lane is not None and len(self.nfc_runs(text)) and lane.nfc_stable(text):
+        if len(runs) and lane is not None and lane.nfc_stable(text):
             # Characters NFC may change, and UAX #15's quick check says NFC leaves the text as it
             # is (so every gap between its literals too): Thai, Hindi, Bengali text need no
             # normalizer call (30-90 ms at 1M).  (Without such characters `nfc_form` answers at once.)
             return text
-        form = nfc_form(self._tok, text, self)
+        form = nfc_form(self._tok, text, self, runs)
         if form is None:
             self.nfc_fallbacks += 1
         elif form is not text:
